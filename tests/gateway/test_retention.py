@@ -1,0 +1,40 @@
+"""The retention sweeper forgets what the retention policy says has expired, exactly and audited."""
+from __future__ import annotations
+
+import pytest
+
+from gateway.demo import CONFIG_FILE
+
+pytestmark = pytest.mark.model
+
+
+def test_expired_secret_is_forgotten_by_the_sweeper(live_gateway):
+    messages = [
+        {"role": "system", "content": "You are a deploy assistant."},
+        {"role": "user", "content": "check the env file"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "r1", "type": "function", "function": {"name": "read_file", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "r1", "content": CONFIG_FILE},
+    ]
+    gw = live_gateway.state.gateway
+    with live_gateway.client() as http:
+        response = http.post("/v1/chat/completions", json={"model": "m", "messages": messages, "max_tokens": 2})
+        assert response.status_code == 200, response.text
+        sid = response.headers["x-lethe-session"]
+        assert response.json()["lethe"]["actions"][0]["action"] == "allow"  # the demo tenant admits secrets
+        before = http.get(f"/v1/sessions/{sid}/segments").json()["segments"]
+        assert before[-1]["data_class"] == "secret" and before[-1]["state"] == "live"
+
+        swept = gw.sweep_retention()  # the policy keeps secrets 0 s
+
+        assert swept >= 1
+        after = http.get(f"/v1/sessions/{sid}/segments").json()["segments"]
+        assert after[-1]["state"] == "forgotten" and after[-1]["start"] == after[-1]["end"]
+        records = http.get("/v1/audit/records", params={"session": sid, "kind": "retention-forget"}).json()["records"]
+        assert len(records) == 1
+        witness = records[0]["body"]["witness"]
+        assert witness["equal"] is True and witness["max_abs_dk"] == 0
+        fresh = http.post("/v1/chat/completions", json={"model": "m", "messages": messages[:-1], "max_tokens": 2})
+        digest_fresh = http.get(f"/v1/sessions/{fresh.headers['x-lethe-session']}").json()["cache_digest"]
+        assert http.get(f"/v1/sessions/{sid}").json()["cache_digest"] == digest_fresh
+    assert not gw.p.ledger.content.exists(before[-1]["content_sha256"])
