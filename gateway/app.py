@@ -88,7 +88,7 @@ def build_state(settings: Settings) -> AppState:
         settings=settings,
         tenants=TenantStore.from_url(settings.db_url, settings.admin_key),
         metrics=Metrics(),
-        ledger=Ledger(settings.db_url),
+        ledger=Ledger(settings.db_url, check_invariants=settings.debug),
         audit=AuditLog(settings.audit_db_url, open_signer(settings), origin=settings.audit_origin,
                        batch_size=settings.audit_batch_size),
         policy=PolicyEngine(settings.policy_dir, backend=settings.policy_backend, opa_url=settings.opa_url,
@@ -104,7 +104,7 @@ def attach_model(state: AppState, model: Model) -> None:
         model=model, kernel=Kernel(model, tile=s.tile), ledger=state.ledger, audit=state.audit,
         policy=state.policy, gate=state.gate, metrics=state.metrics,
         salt_secret=secret_file(s.resolved("salt_secret_path", "salt.key")), witness_mode=s.witness_mode,
-        max_tool_result_bytes=s.max_tool_result_bytes, max_new_tokens=s.max_new_tokens))
+        max_tool_result_bytes=s.max_tool_result_bytes, max_new_tokens=s.max_new_tokens, check_invariants=s.debug))
     state.ready.set()
     log.info("model.ready", model=model.name, identity=model.identity, device=str(model.device),
              dtype=str(model.dtype))

@@ -35,6 +35,7 @@ class Settings(BaseSettings):
     data_dir: Path = Path("var")
     log_level: str = "info"
     log_json: bool | None = Field(default=None, description="None: JSON unless attached to a terminal")
+    debug: bool = Field(default=False, description="check ledger invariants after every operation")
 
     # storage
     database_url: str | None = Field(default=None, description="ledger + sessions; default sqlite under data_dir")

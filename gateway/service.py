@@ -25,7 +25,7 @@ from audit import AuditLog
 from gate import Gate, GateReport
 from kvkernel import GenerationConfig, Kernel, KVCache, Model
 from ledger import Ledger, Segment, SegmentState, SessionRecord
-from policies import PolicyEngine, derive_salt
+from policies import PolicyEngine, PolicyError, derive_salt
 
 from .chat import ChatMessage, Conversation, RenderedMessage, stub_text
 from .errors import GatewayError, not_found, unavailable
@@ -126,6 +126,7 @@ class Components:
     witness_mode: str = "full"
     max_tool_result_bytes: int = 256_000
     max_new_tokens: int = 256
+    check_invariants: bool = False  # debug and test builds: the ledger must tile the cache exactly
 
 
 class Gateway:
@@ -144,9 +145,15 @@ class Gateway:
         with self._model_lock:
             return fn(*args, **kwargs)
 
-    def _salt(self, principal: Principal, public_prefix: bool = False) -> str:
-        tenancy = self.p.policy.tenancy(
-            {"tenant": principal.tenant, "user": principal.user, "public_prefix": public_prefix})
+    def _salt(self, principal: Principal) -> str:
+        """The session's cache salt: Rego names the scope, the server's secret keys the HMAC."""
+        try:
+            tenancy = self.p.policy.tenancy({"tenant": principal.tenant, "user": principal.user,
+                                             "public_prefix": False})
+        except PolicyError as exc:
+            raise GatewayError(403, "tenancy_refused",
+                               f"the tenancy policy gives no cache scope for this caller ({exc}); a tenant scoped "
+                               "per user needs keys made with `lethe key create --user NAME`") from exc
         return derive_salt(self.p.salt_secret, tenancy)
 
     def open_session(self, principal: Principal, session_id: str | None) -> tuple[LiveSession, bool]:
@@ -263,6 +270,8 @@ class Gateway:
                 if post.action.action == "amortize":
                     erasures.append(self._amortize(live, post))
             self.p.metrics.kv_bytes.set(self.kv_bytes())
+            if self.p.check_invariants:
+                self.p.ledger.check_invariants(live.record.id, cache_len=len(live.cache))
             return erasures
         finally:
             live.lock.release()

@@ -32,7 +32,7 @@ class Live:
 @pytest.fixture(scope="session")
 def live_gateway(real_model, tmp_path_factory) -> Iterator[Live]:
     settings = Settings(max_body_bytes=300_000, max_tool_result_bytes=64_000, max_new_tokens=8,
-                        retention_sweep_s=3600, log_json=True)
+                        retention_sweep_s=3600, log_json=True, debug=True)
     with local_gateway(settings, model=real_model) as gw:
         state: AppState = gw.app.state.lethe
         yield Live(gw.base, gw.key, state, Path(state.settings.data_dir))

@@ -1,0 +1,22 @@
+"""Segment ledger: which message of a session occupies which token range of its KV cache.
+
+Forget and amortize renumber every later segment; the segments always tile [0, token_count)
+and token_count equals the kernel's cache length. Persisted through SQLAlchemy (SQLite or
+PostgreSQL), content stored content-addressed so that a forget also erases stored content.
+"""
+from .content import ContentStore
+from .errors import LedgerError, LedgerInvariantError, UnknownSegment, UnknownSession
+from .ledger import Ledger
+from .records import Segment, SegmentState, SessionRecord
+
+__all__ = [
+    "ContentStore",
+    "Ledger",
+    "LedgerError",
+    "LedgerInvariantError",
+    "Segment",
+    "SegmentState",
+    "SessionRecord",
+    "UnknownSegment",
+    "UnknownSession",
+]

@@ -1,0 +1,110 @@
+"""Tables and engine set-up. SQLAlchemy Core only: the ledger's queries are few and explicit."""
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    Column,
+    DateTime,
+    Engine,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+    UniqueConstraint,
+    create_engine,
+    event,
+)
+from sqlalchemy.engine import make_url
+from sqlalchemy.pool import StaticPool
+
+metadata = MetaData()
+
+sessions = Table(
+    "ledger_sessions",
+    metadata,
+    Column("id", String(200), primary_key=True),
+    Column("tenant", String(200), nullable=False, index=True),
+    Column("user", String(200)),
+    Column("salt_scope", String(200)),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    # Kept on the session row (updated under its lock) so appends need no scan.
+    Column("token_count", Integer, nullable=False, default=0),
+    Column("next_seq", Integer, nullable=False, default=0),
+)
+
+segments = Table(
+    "ledger_segments",
+    metadata,
+    Column("id", String(40), primary_key=True),
+    Column("session_id", String(200), ForeignKey("ledger_sessions.id", ondelete="CASCADE"), nullable=False),
+    Column("seq", Integer, nullable=False),
+    Column("role", String(64), nullable=False),
+    Column("tool", String(200)),
+    # No foreign key to blobs: a forgotten segment keeps the digest after its content is erased.
+    Column("content_sha256", String(64), nullable=False),
+    Column("replacement_sha256", String(64)),
+    Column("tok_start", Integer, nullable=False),
+    Column("tok_end", Integer, nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    Column("data_class", String(64), nullable=False),
+    Column("meta", JSON, nullable=False),
+    UniqueConstraint("session_id", "seq", name="uq_ledger_segments_session_seq"),
+    Index("ix_ledger_segments_content", "content_sha256"),
+    Index("ix_ledger_segments_replacement", "replacement_sha256"),
+)
+
+blobs = Table(
+    "ledger_blobs",
+    metadata,
+    Column("sha256", String(64), primary_key=True),
+    Column("size", Integer, nullable=False),
+    Column("data", LargeBinary, nullable=False),
+)
+
+WRITE = "lethe_ledger_write"
+"""Execution option marking a connection whose transaction will write (SQLite: BEGIN IMMEDIATE)."""
+
+
+def make_engine(url: str) -> Engine:
+    """An engine for SQLite (WAL, foreign keys, writer lock taken up front) or PostgreSQL (psycopg)."""
+    parsed = make_url(url)
+    backend = parsed.get_backend_name()
+    if backend == "postgresql":
+        return create_engine(url, pool_pre_ping=True)
+    if backend != "sqlite":
+        raise ValueError(f"the ledger supports sqlite and postgresql, not {backend!r}; fix the database URL")
+    in_memory = parsed.database in (None, "", ":memory:")
+    kwargs: dict[str, Any] = {"connect_args": {"check_same_thread": False, "timeout": 30}}
+    if in_memory:
+        kwargs["poolclass"] = StaticPool  # one connection, or every connection sees its own empty DB
+    engine = create_engine(url, **kwargs)
+    _sqlite_transactions(engine)
+    return engine
+
+
+def _sqlite_transactions(engine: Engine) -> None:
+    """Let SQLAlchemy, not pysqlite, emit BEGIN, so a writer takes the lock before it reads.
+
+    A deferred transaction that reads and then writes can fail with "database is locked" when
+    another writer got there first; BEGIN IMMEDIATE waits (busy timeout) instead. Readers keep a
+    deferred BEGIN and, with WAL, never block writers.
+    """
+
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None
+        cursor = dbapi_conn.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute("PRAGMA busy_timeout=30000")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn: Any) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(WRITE) else "BEGIN")

@@ -1,0 +1,133 @@
+# decision: what happens to one tool result before it may enter the KV cache.
+#
+# Query: data.lethe.decision
+# Input:
+#   {
+#     "tenant":  string,
+#     "user":    string | null,
+#     "session": {"id": string, "age_s": number, "tokens": number},
+#     "tool":    string,
+#     "span":    {"bytes": number, "tokens": number},
+#     "gate":    {"injection": number in [0, 1], "secret": number in [0, 1],
+#                 "findings": [{"kind": string, "rule_id": string, "layer": string, "score": number}]}
+#   }
+# Output: {"action": "allow" | "quarantine" | "forget" | "amortize", "reasons": [string, ...]}
+#
+# Every reason starts with the name of the rule that fired ("injection_threshold: ...").
+# All rules that fire are reported; the action comes from the highest-ranked one:
+#   0 input_invalid        quarantine   the input does not have the documented shape
+#   1 blocked_tool         quarantine   tool is blocked globally or for the tenant
+#   2 injection_threshold  quarantine   injection score at or over the tenant's threshold
+#                                       (trusted tools use thresholds.trusted_injection)
+#   3 span_limit           quarantine   span longer than max_span_tokens
+#   3 session_budget       quarantine   session would grow past max_session_tokens
+#   4 secret_threshold     forget       secret score at or over the tenant's threshold
+#   4 sensitive_finding    forget       the gate found a kind listed in sensitive_kinds
+#     (rank 4 yields amortize instead of forget only when the tenant sets
+#      amortize_opt_in: true and sensitive_action: "amortize")
+#   9 default_allow        allow        nothing above fired
+package lethe
+
+import rego.v1
+
+decision := {"action": ranked[0][2], "reasons": [hit[1] | some hit in ranked]} if {
+	# [rank, reason, action] sorts by rank, then reason: deterministic in every engine.
+	ranked := sort([[h.rank, h.reason, h.action] | some h in decision_hits])
+}
+
+decision_fired contains {"rank": 0, "action": "quarantine", "reason": sprintf("input_invalid: %s", [problem])} if {
+	some problem in decision_input_problems
+}
+
+decision_fired contains {"rank": 1, "action": "quarantine", "reason": msg} if {
+	decision_input_ok
+	input.tool in blocked_tools
+	msg := sprintf("blocked_tool: tool %s is blocked for tenant %s", [input.tool, input.tenant])
+}
+
+decision_fired contains {"rank": 2, "action": "quarantine", "reason": msg} if {
+	decision_input_ok
+	input.gate.injection >= injection_limit
+	msg := sprintf("injection_threshold: injection %.2f >= %.2f%s", [input.gate.injection, injection_limit, trusted_note])
+}
+
+decision_fired contains {"rank": 3, "action": "quarantine", "reason": msg} if {
+	decision_input_ok
+	input.span.tokens > tenant_settings.max_span_tokens
+	msg := sprintf("span_limit: span %v tokens > %v", [input.span.tokens, tenant_settings.max_span_tokens])
+}
+
+decision_fired contains {"rank": 3, "action": "quarantine", "reason": msg} if {
+	decision_input_ok
+	total := input.session.tokens + input.span.tokens
+	total > tenant_settings.max_session_tokens
+	msg := sprintf("session_budget: session %v + span %v tokens > %v", [input.session.tokens, input.span.tokens, tenant_settings.max_session_tokens])
+}
+
+decision_fired contains {"rank": 4, "action": sensitive_action, "reason": msg} if {
+	decision_input_ok
+	input.gate.secret >= tenant_settings.thresholds.secret
+	msg := sprintf("secret_threshold: secret %.2f >= %.2f", [input.gate.secret, tenant_settings.thresholds.secret])
+}
+
+decision_fired contains {"rank": 4, "action": sensitive_action, "reason": msg} if {
+	decision_input_ok
+	some finding in input.gate.findings
+	finding.kind in tenant_settings.sensitive_kinds
+	msg := sprintf("sensitive_finding: %s finding %s (layer %s)", [finding.kind, finding.rule_id, finding.layer])
+}
+
+# default_allow cannot be one more `decision_fired` rule: it would depend on the set it adds to.
+decision_hits := decision_fired if count(decision_fired) > 0
+
+else := {{"rank": 9, "action": "allow", "reason": "default_allow: no rule fired"}}
+
+injection_limit := tenant_settings.thresholds.trusted_injection if input.tool in trusted_tools
+
+else := tenant_settings.thresholds.injection
+
+trusted_note := sprintf(" (trusted tool %s)", [input.tool]) if input.tool in trusted_tools
+
+else := ""
+
+# Amortize (a Leyline splice, not an erasure) needs both switches, so a typo in one
+# of them cannot silently turn erasure off.
+sensitive_action := "amortize" if {
+	tenant_settings.amortize_opt_in == true
+	tenant_settings.sensitive_action == "amortize"
+}
+
+else := "forget"
+
+# Input checks. A field check is a rule, never `not f(input.x)`: with input.x undefined
+# that expression is true in regorus but undefined in OPA.
+decision_input_ok if count(decision_valid) == count(decision_checks)
+
+decision_input_problems contains msg if {
+	some field, msg in decision_checks
+	not field in decision_valid
+}
+
+decision_checks := {
+	"tenant": "tenant must be a non-empty string",
+	"tool": "tool must be a non-empty string",
+	"injection": "gate.injection must be a number in [0, 1]",
+	"secret": "gate.secret must be a number in [0, 1]",
+	"findings": "gate.findings must be a list",
+	"span": "span.tokens must be a number",
+	"session": "session.tokens must be a number",
+}
+
+decision_valid contains "tenant" if non_empty_string(input.tenant)
+
+decision_valid contains "tool" if non_empty_string(input.tool)
+
+decision_valid contains "injection" if unit_number(input.gate.injection)
+
+decision_valid contains "secret" if unit_number(input.gate.secret)
+
+decision_valid contains "findings" if is_array(input.gate.findings)
+
+decision_valid contains "span" if is_number(input.span.tokens)
+
+decision_valid contains "session" if is_number(input.session.tokens)

@@ -1,0 +1,129 @@
+package lethe.decision_test
+
+import rego.v1
+
+tenants := {
+	"acme": {
+		"thresholds": {"injection": 0.8},
+		"trusted_tools": ["search.internal", "shell.exec"],
+		"blocked_tools": ["browser.raw"],
+	},
+	"strict": {"thresholds": {"injection": 0.2, "secret": 0.1}},
+	"optin": {"amortize_opt_in": true, "sensitive_action": "amortize"},
+	"half": {"sensitive_action": "amortize"},
+}
+
+defaults := object.union(data.lethe.defaults, {"blocked_tools": ["shell.exec"]})
+
+clean := {"injection": 0.05, "secret": 0.01, "findings": []}
+
+req(tenant, tool, gate) := {
+	"tenant": tenant,
+	"user": "alice",
+	"session": {"id": "s1", "age_s": 12.5, "tokens": 1000},
+	"tool": tool,
+	"span": {"bytes": 800, "tokens": 200},
+	"gate": gate,
+}
+
+decide(i) := d if {
+	d := data.lethe.decision with input as i
+		with data.lethe.tenants as tenants
+		with data.lethe.defaults as defaults
+}
+
+test_clean_result_is_allowed if {
+	decide(req("acme", "web.fetch", clean)) == {"action": "allow", "reasons": ["default_allow: no rule fired"]}
+}
+
+test_injection_over_default_threshold_quarantines if {
+	d := decide(req("nobody", "web.fetch", {"injection": 0.93, "secret": 0, "findings": []}))
+	d.action == "quarantine"
+	d.reasons == ["injection_threshold: injection 0.93 >= 0.50"]
+}
+
+test_tenant_threshold_override_allows_what_default_quarantines if {
+	gate := {"injection": 0.6, "secret": 0, "findings": []}
+	decide(req("nobody", "web.fetch", gate)).action == "quarantine"
+	decide(req("acme", "web.fetch", gate)).action == "allow"
+}
+
+test_stricter_tenant_quarantines_low_scores if {
+	d := decide(req("strict", "web.fetch", {"injection": 0.25, "secret": 0, "findings": []}))
+	d.reasons == ["injection_threshold: injection 0.25 >= 0.20"]
+}
+
+test_trusted_tool_uses_trusted_threshold if {
+	d := decide(req("acme", "search.internal", {"injection": 0.85, "secret": 0, "findings": []}))
+	d.action == "allow"
+	e := decide(req("acme", "search.internal", {"injection": 0.95, "secret": 0, "findings": []}))
+	e.reasons == ["injection_threshold: injection 0.95 >= 0.90 (trusted tool search.internal)"]
+}
+
+test_trust_is_per_tenant if {
+	decide(req("nobody", "search.internal", {"injection": 0.85, "secret": 0, "findings": []})).action == "quarantine"
+}
+
+test_tenant_blocked_tool_quarantines if {
+	d := decide(req("acme", "browser.raw", clean))
+	d == {"action": "quarantine", "reasons": ["blocked_tool: tool browser.raw is blocked for tenant acme"]}
+}
+
+test_tenant_cannot_trust_a_globally_blocked_tool if {
+	d := decide(req("acme", "shell.exec", clean))
+	d.reasons == ["blocked_tool: tool shell.exec is blocked for tenant acme"]
+}
+
+test_secret_score_leads_to_forget if {
+	d := decide(req("acme", "web.fetch", {"injection": 0.1, "secret": 0.97, "findings": []}))
+	d == {"action": "forget", "reasons": ["secret_threshold: secret 0.97 >= 0.50"]}
+}
+
+test_sensitive_finding_leads_to_forget if {
+	finding := {"kind": "credential", "rule_id": "aws-access-key", "layer": "regex", "score": 1}
+	d := decide(req("acme", "web.fetch", {"injection": 0.1, "secret": 0.2, "findings": [finding]}))
+	d == {"action": "forget", "reasons": ["sensitive_finding: credential finding aws-access-key (layer regex)"]}
+}
+
+test_amortize_only_with_explicit_opt_in if {
+	gate := {"injection": 0.1, "secret": 0.9, "findings": []}
+	decide(req("optin", "web.fetch", gate)).action == "amortize"
+	decide(req("acme", "web.fetch", gate)).action == "forget"
+}
+
+test_sensitive_action_without_opt_in_flag_still_forgets if {
+	decide(req("half", "web.fetch", {"injection": 0.1, "secret": 0.9, "findings": []})).action == "forget"
+}
+
+test_injection_outranks_secret_and_all_reasons_are_kept if {
+	d := decide(req("acme", "web.fetch", {"injection": 0.99, "secret": 0.99, "findings": []}))
+	d.action == "quarantine"
+	d.reasons == ["injection_threshold: injection 0.99 >= 0.80", "secret_threshold: secret 0.99 >= 0.50"]
+}
+
+test_oversized_span_quarantines if {
+	i := object.union(req("acme", "web.fetch", clean), {"span": {"bytes": 1, "tokens": 40000}})
+	decide(i).reasons == ["span_limit: span 40000 tokens > 32768"]
+}
+
+test_session_budget_quarantines if {
+	i := object.union(req("acme", "web.fetch", clean), {"session": {"id": "s1", "age_s": 1, "tokens": 131000}})
+	decide(i).reasons == ["session_budget: session 131000 + span 200 tokens > 131072"]
+}
+
+test_malformed_input_quarantines if {
+	d := decide({"tenant": "acme", "tool": "web.fetch", "gate": {"injection": "high"}})
+	d.action == "quarantine"
+	"input_invalid: gate.injection must be a number in [0, 1]" in d.reasons
+	"input_invalid: span.tokens must be a number" in d.reasons
+}
+
+test_score_out_of_range_quarantines if {
+	d := decide(req("acme", "web.fetch", {"injection": 1.5, "secret": 0, "findings": []}))
+	d.reasons == ["input_invalid: gate.injection must be a number in [0, 1]"]
+}
+
+test_shipped_defaults_without_fixtures if {
+	d := data.lethe.decision with input as req("nobody", "web.fetch", {"injection": 0.5, "secret": 0, "findings": []})
+	d.action == "quarantine"
+}

@@ -1,0 +1,68 @@
+"""The answers the policies give, as frozen values that carry the bundle hash that decided them."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass
+from typing import Any
+
+ACTIONS = frozenset({"allow", "quarantine", "forget", "amortize"})
+SCOPES = frozenset({"tenant", "tenant_user", "public"})
+
+
+class PolicyError(Exception):
+    """A policy could not give a well-formed answer (bad bundle, engine error, OPA down, malformed result)."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What happens to one tool result: allow, quarantine, forget or amortize, and why."""
+
+    action: str
+    reasons: tuple[str, ...]
+    bundle_hash: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"action": self.action, "reasons": list(self.reasons), "bundle_hash": self.bundle_hash}
+
+
+@dataclass(frozen=True)
+class Tenancy:
+    """The cache-salt scope of a request; `derive_salt` turns it into a salt with the server's secret."""
+
+    scope: str
+    scope_key: str
+    epoch: int
+    bundle_hash: str
+
+
+@dataclass(frozen=True)
+class Retention:
+    """How long a stored segment may live; `ttl_seconds` None means keep until erased explicitly."""
+
+    data_class: str
+    ttl_seconds: float | None
+    bundle_hash: str
+
+
+@dataclass(frozen=True)
+class ErasureDecision:
+    """Whether an actor may forget a session, with the rules that granted or denied it."""
+
+    allowed: bool
+    reasons: tuple[str, ...]
+    bundle_hash: str
+
+
+def derive_salt(server_secret: bytes, tenancy: Tenancy) -> str:
+    """HMAC-SHA256(server_secret, "scope|scope_key|epoch") as hex.
+
+    The secret stays in Python so that neither a client nor a policy author can compute
+    another scope's salt. The message is unambiguous: scope never contains "|" and epoch is
+    digits, so the first and last "|" delimit scope_key whatever it contains.
+    """
+    if not server_secret:
+        raise ValueError("server secret for cache salts is empty; configure a random secret of at least 32 bytes")
+    message = f"{tenancy.scope}|{tenancy.scope_key}|{tenancy.epoch}".encode()
+    return hmac.new(server_secret, message, hashlib.sha256).hexdigest()
