@@ -76,7 +76,7 @@ def test_invalid_utf8_in_tool_content_is_flagged_not_crashing(live_gateway):
                              headers={"Content-Type": "application/json"})
     assert response.status_code == 200, response.text
     action = response.json()["lethe"]["actions"][0]
-    assert action["gate"]["counts"].get("encoding", 0) >= 1 or "encoding" in str(action["gate"])
+    assert action["gate"]["counts"].get("encoding", 0) >= 1
 
 
 def test_unknown_session_and_segment_are_404(live_gateway):

@@ -1,0 +1,7 @@
+"""Lethe gate: scores every tool result for prompt injection and secrets before it reaches the model."""
+
+from .core import Gate, scan
+from .errors import GateError
+from .findings import Finding, GateReport
+
+__all__ = ["Finding", "Gate", "GateError", "GateReport", "scan"]

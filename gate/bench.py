@@ -1,0 +1,99 @@
+"""Gate throughput and latency benchmark (JSON out; never a timed assertion in tests).
+
+Corpus: deterministic mixed benign text from gate.train.synth (code, JSON, HTML, prose email,
+logs, READMEs, tables), concatenated to ``megabytes`` MB. Measured on one thread:
+  * rules layer MB/s: secret rules (Hyperscan pass + confirmation) and the injection rule
+    screen (Hyperscan pass), the part that must keep up at >= 100 MB/s;
+  * learned layer MB/s and tokens/s (tokens = ``\\w+|[^\\w\\s]`` pieces, about 1 per 4 bytes);
+  * full ``Gate.scan`` p50/p99 latency on 4 KB and 64 KB results;
+  * secret findings on the benign corpus (false positives per 10 MB).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+
+import numpy as np
+
+from .core import Gate
+from .train import synth
+
+_TOKEN = re.compile(rb"\w+|[^\w\s]")
+
+
+def benign_corpus(megabytes: int, seed: int = 7) -> bytes:
+    r = random.Random(seed)
+    kinds = sorted(synth.BENIGN_KINDS)
+    parts, size = [], 0
+    while size < megabytes * 1_000_000:
+        doc = synth.benign(r, r.choice(kinds)).encode() + b"\n\n"
+        parts.append(doc)
+        size += len(doc)
+    return b"".join(parts)
+
+
+def _chunks(data: bytes, size: int) -> list[bytes]:
+    return [data[i : i + size] for i in range(0, len(data) - size + 1, size)]
+
+
+def _best_of(fn, repeats: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def run_gate_bench(*, megabytes: int = 10, progress: bool = True) -> dict:
+    say = print if progress else (lambda *a, **k: None)
+    gate = Gate()
+    corpus = benign_corpus(megabytes)
+    mb = len(corpus) / 1e6
+    say(f"corpus: {mb:.1f} MB benign")
+    blocks = _chunks(corpus, 1 << 20)
+
+    def rules_layer() -> None:
+        for block in blocks:
+            gate.secrets.scan(block)
+            gate.heuristics.matcher.triggered(block)
+
+    rules_s = _best_of(rules_layer)
+    secrets_s = _best_of(lambda: [gate.secrets.scan(b) for b in blocks])
+    say(f"rules layer: {mb / rules_s:.1f} MB/s")
+    scorer = gate.heuristics.scorer
+    learned_s = _best_of(lambda: [scorer.best_window(b) for b in blocks], repeats=2)
+    tokens = len(_TOKEN.findall(corpus))
+    say(f"learned layer: {mb / learned_s:.1f} MB/s")
+    secret_fps = [f.rule_id for b in _chunks(corpus, 64 << 10) for f in gate.secrets.scan(b)]
+    latency = {}
+    for label, size, n in (("4kb", 4 << 10, 300), ("64kb", 64 << 10, 100)):
+        samples = _chunks(corpus, size)[:n]
+        times = []
+        for s in samples:
+            t0 = time.perf_counter()
+            gate.scan(s)
+            times.append((time.perf_counter() - t0) * 1e3)
+        latency[label] = {"p50_ms": round(float(np.percentile(times, 50)), 3),
+                          "p99_ms": round(float(np.percentile(times, 99)), 3), "n": len(times)}
+        say(f"latency {label}: {latency[label]}")
+    return {
+        "corpus_mb": round(mb, 2),
+        "rules_layer_mb_s": round(mb / rules_s, 1),
+        "secrets_only_mb_s": round(mb / secrets_s, 1),
+        "learned_layer_mb_s": round(mb / learned_s, 2),
+        "learned_layer_tokens_s": round(tokens / learned_s),
+        "secret_false_positives": len(secret_fps),
+        "secret_false_positives_per_10mb": round(len(secret_fps) / mb * 10, 2),
+        "secret_false_positive_rules": sorted(set(secret_fps)),
+        "latency": latency,
+        "threads": 1,
+    }
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(run_gate_bench(), indent=2))

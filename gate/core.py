@@ -1,0 +1,120 @@
+"""The Gate: decode once, run the secrets, heuristic and learned layers, combine the scores."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import structlog
+
+from ._text import Decoded, decode
+from .findings import Finding, GateReport
+from .heuristics import HeuristicScanner, load_injection_rules
+from .learned import WEIGHTS_PATH, NgramScorer
+from .errors import GateError
+from .secrets import Allowlist, SecretRule, SecretScanner, load_gitleaks, load_rules
+
+log = structlog.get_logger(__name__)
+
+EXCERPT_BYTES = 120
+MAX_ENCODING_FINDINGS = 16
+
+
+class Gate:
+    """Scores one tool result for prompt injection and secrets. Build once; ``scan`` is thread-safe."""
+
+    def __init__(self, *, gitleaks_config: Path | None = None, learned: bool = True) -> None:
+        rules, allowlist = load_rules()
+        if gitleaks_config is not None:
+            extra, extra_allow = load_gitleaks(Path(gitleaks_config))
+            rules += [_with_global_allowlist(r, extra_allow) for r in extra]
+            log.info("gitleaks_rules_loaded", path=str(gitleaks_config), rules=len(extra))
+        self.secret_rules = rules
+        self.secrets = SecretScanner(rules, allowlist)
+        scorer = None
+        if learned:
+            if not WEIGHTS_PATH.exists():
+                raise GateError(f"{WEIGHTS_PATH} missing; run `python -m gate.train.train_injection` or pass learned=False")
+            scorer = NgramScorer.load(WEIGHTS_PATH)
+        self.heuristics = HeuristicScanner(load_injection_rules(), scorer)
+
+    def scan(self, data: bytes, *, content_type: str | None = None, tool: str | None = None) -> GateReport:
+        """Never raises on input: any bytes (str is encoded as UTF-8) give a report."""
+        t0 = time.perf_counter_ns()
+        if isinstance(data, str):
+            data = data.encode("utf-8", "surrogatepass")
+        doc = decode(bytes(data))
+        findings = _encoding_findings(doc)
+        secrets = self.secrets.scan(doc.clean)
+        spans = [(f.byte_start, f.byte_end) for f in secrets]
+        findings += secrets
+        findings += self.heuristics.scan(doc, lambda b0, b1: _excerpt(doc, b0, b1, spans))
+        findings.sort(key=lambda f: (f.byte_start, f.byte_end, f.rule_id))
+        report = GateReport(
+            injection=_noisy_or(f for f in findings if f.kind == "injection"),
+            secret=max((f.score for f in secrets), default=0.0),
+            findings=tuple(findings),
+            bytes_scanned=len(doc.raw),
+            elapsed_us=(time.perf_counter_ns() - t0) // 1000,
+        )
+        return report
+
+
+def _with_global_allowlist(rule: SecretRule, allow: Allowlist) -> SecretRule:
+    """gitleaks' global allowlist applies to its own rules only, not to the project's."""
+    merged = Allowlist(rule.allowlist.regexes + allow.regexes, rule.allowlist.stopwords + allow.stopwords)
+    return replace(rule, allowlist=merged)
+
+
+def _noisy_or(findings) -> float:
+    """P(injection) if each rule's evidence were independent; per rule only its strongest hit counts,
+    so one phrase repeated 50 times is not 50 pieces of evidence."""
+    best: dict[str, float] = {}
+    for f in findings:
+        best[f.rule_id] = max(best.get(f.rule_id, 0.0), f.score)
+    p_clean = 1.0
+    for score in best.values():
+        p_clean *= 1.0 - min(max(score, 0.0), 1.0)
+    return 1.0 - p_clean
+
+
+def _encoding_findings(doc: Decoded) -> list[Finding]:
+    runs = doc.invalid
+    out = [Finding("encoding", "invalid-utf8", "rules", s, e, 1.0, f"{e - s} invalid byte(s) replaced") for s, e in runs[:MAX_ENCODING_FINDINGS]]
+    if len(runs) > MAX_ENCODING_FINDINGS:
+        s, e = runs[MAX_ENCODING_FINDINGS][0], runs[-1][1]
+        out.append(Finding("encoding", "invalid-utf8", "rules", s, e, 1.0, f"{len(runs) - MAX_ENCODING_FINDINGS} more invalid runs"))
+    return out
+
+
+def _excerpt(doc: Decoded, b0: int, b1: int, secret_spans: list[tuple[int, int]]) -> str:
+    """Readable excerpt of [b0, b1) with any overlapping secret replaced, so excerpts are log-safe."""
+    end = min(b1, b0 + EXCERPT_BYTES)
+    chunk = bytearray(doc.clean[b0:end])
+    for s, e in secret_spans:
+        lo, hi = max(s, b0), min(e, end)
+        if lo < hi:
+            chunk[lo - b0 : hi - b0] = b"\x00" * (hi - lo)
+    text = re.sub("\x00+", "[SECRET]", chunk.decode("utf-8", "ignore"))
+    return text + ("…" if end < b1 else "")
+
+
+_default: Gate | None = None
+_default_lock = threading.Lock()
+
+
+def default_gate() -> Gate:
+    global _default
+    if _default is None:
+        with _default_lock:
+            if _default is None:
+                _default = Gate()
+    return _default
+
+
+def scan(data: bytes, *, content_type: str | None = None, tool: str | None = None) -> GateReport:
+    """Scan with the lazily built module-level Gate (thread-safe)."""
+    return default_gate().scan(data, content_type=content_type, tool=tool)

@@ -1,0 +1,247 @@
+"""Secrets layer: project rules plus an optional user ``gitleaks.toml``, one Hyperscan pass.
+
+Hyperscan finds candidate spans; each candidate is then confirmed in Python (capture group,
+keyword, entropy, checksum, allowlists) so that the expensive checks only run on the rare
+spans that already look like credentials. Secret values never leave this module unmasked.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+import re
+import string
+import tomllib
+import zlib
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+from .engine import MultiMatcher, Pattern
+from .errors import GateError
+from .findings import Finding
+
+log = structlog.get_logger(__name__)
+
+RULES_PATH = Path(__file__).parent / "rules" / "secrets.toml"
+_B62 = string.digits + string.ascii_uppercase + string.ascii_lowercase
+
+
+def mask(secret: str) -> str:
+    """Audit-safe stand-in for a secret: a short prefix (never more than a quarter) and its length."""
+    keep = min(4, len(secret) // 4)
+    return f"{secret[:keep]}…({len(secret)} chars)"
+
+
+def shannon_entropy(value: str) -> float:
+    """Bits per character; random base62 tokens sit near 5, words and placeholders well below 4."""
+    if not value:
+        return 0.0
+    n = len(value)
+    return -sum(c / n * math.log2(c / n) for c in Counter(value).values())
+
+
+def _github_crc32(secret: str) -> bool:
+    """GitHub and npm tokens end in the base62 CRC32 of their 30 random characters."""
+    body = secret.split("_", 1)[1]
+    payload, check = body[:-6], body[-6:]
+    n = zlib.crc32(payload.encode())
+    digits = ""
+    while n:
+        n, d = divmod(n, 62)
+        digits = _B62[d] + digits
+    return digits.rjust(6, "0") == check
+
+
+def _b64url_json(part: str) -> dict | None:
+    try:
+        value = json.loads(base64.urlsafe_b64decode(part + "=" * (-len(part) % 4)))
+    except (ValueError, binascii.Error):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _jwt(secret: str) -> bool:
+    header = _b64url_json(secret.split(".", 1)[0])
+    return header is not None and "alg" in header
+
+
+def _basic_auth(secret: str) -> bool:
+    try:
+        decoded = base64.b64decode(secret, validate=True).decode("utf-8")
+    except (ValueError, binascii.Error, UnicodeDecodeError):
+        return False
+    user, sep, password = decoded.partition(":")
+    return bool(sep and user and len(password) >= 4)
+
+
+CHECKSUMS: dict[str, Callable[[str], bool]] = {
+    "github-crc32": _github_crc32,
+    "jwt": _jwt,
+    "basic-auth": _basic_auth,
+}
+
+
+@dataclass(frozen=True)
+class Allowlist:
+    """Values that look like secrets but are placeholders, docs keys or template variables."""
+
+    regexes: tuple[re.Pattern[str], ...] = ()
+    stopwords: tuple[str, ...] = ()
+
+    def allows(self, secret: str) -> bool:
+        low = secret.lower()
+        return any(w in low for w in self.stopwords) or any(r.search(secret) for r in self.regexes)
+
+
+@dataclass(frozen=True)
+class SecretRule:
+    id: str
+    regex: str
+    description: str = ""
+    secret_group: int = 0
+    caseless: bool = False
+    keywords: tuple[str, ...] = ()
+    entropy: float = 0.0
+    checksum: str | None = None
+    score: float = 0.9
+    allowlist: Allowlist = field(default_factory=Allowlist)
+    examples: tuple[str, ...] = ()
+    counterexamples: tuple[str, ...] = ()
+    source: str = "lethe"
+
+
+def _compile_allow(regex: str) -> re.Pattern[str]:
+    translated, caseless = _translate_re2(regex)
+    return re.compile(translated, re.IGNORECASE if caseless else 0)
+
+
+def _allowlist(table: dict) -> Allowlist:
+    return Allowlist(
+        regexes=tuple(_compile_allow(r) for r in table.get("regexes", [])),
+        stopwords=tuple(w.lower() for w in table.get("stopwords", [])),
+    )
+
+
+def load_rules(path: Path = RULES_PATH) -> tuple[list[SecretRule], Allowlist]:
+    """Parse the project rule file (schema documented at its top)."""
+    doc = tomllib.loads(path.read_text(encoding="utf-8"))
+    rules = [
+        SecretRule(
+            id=r["id"], regex=r["regex"], description=r.get("description", ""),
+            secret_group=r.get("secret_group", 0), caseless=r.get("caseless", False),
+            keywords=tuple(k.lower() for k in r.get("keywords", [])), entropy=r.get("entropy", 0.0),
+            checksum=r.get("checksum"), score=r.get("score", 0.9),
+            allowlist=_allowlist(r.get("allowlist", {})),
+            examples=tuple(r.get("examples", [])), counterexamples=tuple(r.get("counterexamples", [])),
+        )
+        for r in doc["rules"]
+    ]
+    unknown = {r.checksum for r in rules if r.checksum} - CHECKSUMS.keys()
+    if unknown:
+        raise GateError(f"{path}: unknown checksum validator(s) {sorted(unknown)}; use one of {sorted(CHECKSUMS)}")
+    return rules, _allowlist(doc.get("allowlist", {}))
+
+
+_POSIX = {
+    "[:alnum:]": "A-Za-z0-9", "[:alpha:]": "A-Za-z", "[:digit:]": "0-9", "[:xdigit:]": "0-9A-Fa-f",
+    "[:upper:]": "A-Z", "[:lower:]": "a-z", "[:space:]": r"\s", "[:word:]": r"\w",
+    "[:punct:]": r"!-/:-@\[-`{-~",
+}
+
+
+def _translate_re2(regex: str) -> tuple[str, bool]:
+    """RE2 (Go) → Python/Hyperscan syntax for the constructs gitleaks configs actually use.
+
+    Returns (regex, caseless): a leading ``(?i)`` becomes a flag because Hyperscan prefers it so.
+    """
+    caseless = regex.startswith("(?i)")
+    if caseless:
+        regex = regex[4:]
+    for posix, cls in _POSIX.items():
+        regex = regex.replace(posix, cls)
+    regex = regex.replace(r"\z", r"\Z")
+    regex = re.sub(r"\\x\{([0-9A-Fa-f]{1,4})\}", lambda m: "\\u" + m.group(1).rjust(4, "0"), regex)
+    return regex, caseless
+
+
+def _gitleaks_allowlists(table: dict) -> Allowlist:
+    """Merge the v8 ``allowlist`` table and the newer ``allowlists`` array (paths are ignored)."""
+    merged: dict[str, list[str]] = {"regexes": [], "stopwords": []}
+    for al in [table.get("allowlist", {}), *table.get("allowlists", [])]:
+        for key in merged:
+            merged[key].extend(al.get(key, []))
+    return _allowlist(merged)
+
+
+def load_gitleaks(path: Path) -> tuple[list[SecretRule], Allowlist]:
+    """Load a user's gitleaks.toml as an extra rule source; rules we cannot compile are skipped
+    with a warning (path-only rules too: a tool result has no file path)."""
+    try:
+        doc = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise GateError(f"cannot read gitleaks config {path}: {exc}; pass a valid gitleaks.toml") from exc
+    rules: list[SecretRule] = []
+    for raw in doc.get("rules", []):
+        rule_id = f"gitleaks:{raw.get('id', 'unnamed')}"
+        if "regex" not in raw:
+            log.warning("gitleaks_rule_skipped", rule_id=rule_id, reason="no regex (path-only rule)")
+            continue
+        regex, caseless = _translate_re2(raw["regex"])
+        rule = SecretRule(
+            id=rule_id, regex=regex, description=raw.get("description", ""),
+            secret_group=int(raw.get("secretGroup", 0)), caseless=caseless,
+            keywords=tuple(k.lower() for k in raw.get("keywords", [])),
+            entropy=float(raw.get("entropy", 0.0)), score=0.8,
+            allowlist=_gitleaks_allowlists(raw), source=str(path),
+        )
+        reason = _compile_problem(rule)
+        if reason:
+            log.warning("gitleaks_rule_skipped", rule_id=rule_id, reason=reason)
+            continue
+        rules.append(rule)
+    return rules, _gitleaks_allowlists(doc)
+
+
+def _compile_problem(rule: SecretRule) -> str | None:
+    pattern = Pattern(0, rule.regex, caseless=rule.caseless)
+    try:
+        rx = re.compile(rule.regex)
+    except re.error as exc:
+        return f"python re: {exc}"
+    if rule.secret_group > rx.groups:
+        return f"secretGroup {rule.secret_group} > {rx.groups} groups"
+    return MultiMatcher.hyperscan_error(pattern)
+
+
+class SecretScanner:
+    """All secret rules compiled into one matcher."""
+
+    def __init__(self, rules: Iterable[SecretRule], allowlist: Allowlist) -> None:
+        self.rules = list(rules)
+        self.allowlist = allowlist
+        patterns = [Pattern(i, r.regex, caseless=r.caseless) for i, r in enumerate(self.rules)]
+        self.matcher = MultiMatcher(patterns)
+
+    def scan(self, data: bytes) -> list[Finding]:
+        confirmed = (self._confirm(self.rules[ident], m) for ident, m in self.matcher.scan(data))
+        return [f for f in confirmed if f is not None]
+
+    def _confirm(self, rule: SecretRule, found: re.Match[bytes]) -> Finding | None:
+        group = rule.secret_group if rule.secret_group <= (found.re.groups or 0) else 0
+        secret = found.group(group).decode("utf-8", "replace")
+        if rule.keywords and not any(k.encode() in found.group(0).lower() for k in rule.keywords):
+            return None
+        if shannon_entropy(secret) < rule.entropy:
+            return None
+        if rule.checksum and not CHECKSUMS[rule.checksum](secret):
+            return None
+        if self.allowlist.allows(secret) or rule.allowlist.allows(secret):
+            return None
+        s, e = found.span(group)
+        return Finding("secret", rule.id, "rules", s, e, rule.score, mask(secret))

@@ -1,0 +1,1 @@
+"""Reproducible training of the learned injection scorer (see train_injection.py)."""
