@@ -24,7 +24,8 @@ from pydantic import BaseModel, model_validator
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from audit import AuditLog, Signer, make_router
+from audit import AuditLog, Signer
+from audit.api import make_router
 from gate import Gate
 from kvkernel import GenerationConfig, Kernel, Model, load_model
 from ledger import Ledger
@@ -35,6 +36,7 @@ from .chat import ChatRequest, with_tools
 from .config import Settings
 from .decoding import TextStream, parse_tool_calls
 from .errors import GatewayError
+from .logging import configure_logging
 from .metrics import Metrics
 from .service import Components, Gateway, Turn
 from .tenants import Principal, TenantStore
@@ -240,6 +242,7 @@ class ForgetRequest(BaseModel):
 def create_app(settings: Settings | None = None, *, model: Model | None = None) -> FastAPI:
     """The gateway app. Pass `model` to share an already loaded model (tests, the demo)."""
     settings = settings or Settings()
+    configure_logging(settings.log_level, settings.log_json)
     state = build_state(settings)
 
     @asynccontextmanager

@@ -34,9 +34,10 @@ WEB_PAGE = (
 LEAKED_KEY = "sk-proj-" + "Xq8Zr2Lw9XvN4mK7pJ5hY1cB6dF0gH3sA9eR" + "T3BlbkFJ" + "tU8iO4pL7kM1nQ5wE6rT9yU2iPz3Vb7Nc"
 CONFIG_FILE = f"# deploy/.env\nAPP_ENV=production\nOPENAI_API_KEY={LEAKED_KEY}\nLOG_LEVEL=info\n"
 DEMO_TENANT = "demo"
-# The demo tenant admits secrets for review (so that the erasure API has something to forget);
-# the shipped default for every other tenant forgets them right after the turn.
-DEMO_POLICY_DATA = {"lethe": {"tenants": {DEMO_TENANT: {"sensitive_kinds": [], "thresholds": {"secret": 1.01}}}}}
+# The demo tenant admits secrets for review and keeps them 10 minutes (so that the erasure API
+# has something to forget); the shipped default forgets them right after the turn.
+DEMO_POLICY_DATA = {"lethe": {"tenants": {DEMO_TENANT: {
+    "admit_sensitive": True, "sensitive_action": "allow", "retention": {"classes": {"secret": 600}}}}}}
 
 
 @dataclass

@@ -1,4 +1,8 @@
-"""structlog set-up: JSON lines in production (no TTY), readable console output on a terminal."""
+"""structlog set-up: JSON lines in production (no TTY), readable console output on a terminal.
+
+Events render in structlog and are written by the standard library's logging, whose handlers
+report their own I/O errors instead of raising them: a log line must never fail a request.
+"""
 from __future__ import annotations
 
 import logging
@@ -17,12 +21,14 @@ def configure_logging(level: str = "info", json: bool | None = None) -> None:
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            structlog.stdlib.filter_by_level,
+            structlog.stdlib.add_logger_name,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
             renderer,
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        cache_logger_on_first_use=False,
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=True,
     )

@@ -431,35 +431,34 @@ class Gateway:
     def _record_admission(self, principal: Principal, live: LiveSession, m: RenderedMessage,
                           tokens: tuple[int, ...], report: GateReport, decision: Any, reason: str,
                           action: Action) -> Segment:
-        """Audit first (for quarantine), then the ledger: a failure of either rolls the stage back."""
+        """Ledger, then audit (for quarantine). If the audit write fails, the new segment is
+        superseded again and the caller rolls the stage back: no span without its record."""
         state = SegmentState.QUARANTINED if decision.action == "quarantine" else SegmentState.LIVE
         data_class = "secret" if report.secret >= 0.5 else "quarantined" if state is SegmentState.QUARANTINED \
             else "normal"
         meta = {"gate": report.summary(), "decision": decision.to_dict(), "stub_reason": reason}
-        start = len(live.cache) - len(tokens)
-        if state is SegmentState.QUARANTINED:
-            action.audit_index = self.p.audit.append(self._record(
-                "quarantine", live, None, (start, start + len(tokens)), len(m.tokens), m.content_sha256,
-                report.summary(), decision.to_dict(), _actor(principal), None))
         segment = self.p.ledger.append(live.record.id, role=m.role, tool=m.tool, content=m.content,
                                        n_tokens=len(tokens), state=state, data_class=data_class, meta=meta)
+        if state is SegmentState.QUARANTINED:
+            try:
+                action.audit_index = self.p.audit.append(self._record(
+                    "quarantine", live, segment.id, (segment.start, segment.end), len(m.tokens), m.content_sha256,
+                    report.summary(), decision.to_dict(), _actor(principal), None))
+            except Exception:
+                self.p.ledger.truncate(live.record.id, segment.start)
+                raise
         return segment
 
     @staticmethod
-    def _record(kind: str, live: LiveSession | SessionRecord, segment_id: str | None, span: tuple[int, int],
+    def _record(kind: str, live: LiveSession | SessionRecord, segment_id: str, span: tuple[int, int],
                 token_count: int, content_sha256: str, gate: dict[str, Any] | None, decision: dict[str, Any] | None,
                 actor: str, witness: dict[str, Any] | None) -> dict[str, Any]:
+        """An audit record body: hashes, ranges and verdicts, never the content."""
         record = live.record if isinstance(live, LiveSession) else live
-        body: dict[str, Any] = {"kind": kind, "tenant": record.tenant, "session": record.id,
-                                "segment_id": segment_id, "span": list(span), "token_count": token_count,
-                                "content_sha256": content_sha256, "actor": actor}
-        if gate is not None:
-            body["gate"] = gate
-        if decision is not None:
-            body["decision"] = decision
-        if witness is not None:
-            body["witness"] = witness
-        return body
+        body = {"kind": kind, "tenant": record.tenant, "session": record.id, "segment_id": segment_id,
+                "span": list(span), "token_count": token_count, "content_sha256": content_sha256, "actor": actor,
+                "gate": gate, "decision": decision, "witness": witness}
+        return {k: v for k, v in body.items() if v is not None}
 
     # ---- erasure ----------------------------------------------------------------------------
 

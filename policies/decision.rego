@@ -24,7 +24,8 @@
 #   4 secret_threshold     forget       secret score at or over the tenant's threshold
 #   4 sensitive_finding    forget       the gate found a kind listed in sensitive_kinds
 #     (rank 4 yields amortize instead of forget only when the tenant sets
-#      amortize_opt_in: true and sensitive_action: "amortize")
+#      amortize_opt_in: true and sensitive_action: "amortize", and allow only when it
+#      sets admit_sensitive: true and sensitive_action: "allow")
 #   9 default_allow        allow        nothing above fired
 package lethe
 
@@ -95,6 +96,13 @@ else := ""
 sensitive_action := "amortize" if {
 	tenant_settings.amortize_opt_in == true
 	tenant_settings.sensitive_action == "amortize"
+}
+
+# Admitting sensitive content and keeping it (until retention or an explicit erasure) likewise
+# needs two switches: a review workflow that forgets through the erasure API opts in this way.
+else := "allow" if {
+	tenant_settings.admit_sensitive == true
+	tenant_settings.sensitive_action == "allow"
 }
 
 else := "forget"

@@ -11,6 +11,8 @@ tenants := {
 	"strict": {"thresholds": {"injection": 0.2, "secret": 0.1}},
 	"optin": {"amortize_opt_in": true, "sensitive_action": "amortize"},
 	"half": {"sensitive_action": "amortize"},
+	"review": {"admit_sensitive": true, "sensitive_action": "allow"},
+	"halfreview": {"sensitive_action": "allow"},
 }
 
 defaults := object.union(data.lethe.defaults, {"blocked_tools": ["shell.exec"]})
@@ -89,6 +91,18 @@ test_amortize_only_with_explicit_opt_in if {
 	gate := {"injection": 0.1, "secret": 0.9, "findings": []}
 	decide(req("optin", "web.fetch", gate)).action == "amortize"
 	decide(req("acme", "web.fetch", gate)).action == "forget"
+}
+
+test_admit_sensitive_only_with_both_switches if {
+	gate := {"injection": 0.1, "secret": 0.9, "findings": []}
+	d := decide(req("review", "read_file", gate))
+	d.action == "allow"
+	d.reasons == ["secret_threshold: secret 0.90 >= 0.50"]
+	decide(req("halfreview", "read_file", gate)).action == "forget"
+}
+
+test_admitted_secret_still_quarantined_when_injected if {
+	decide(req("review", "read_file", {"injection": 0.95, "secret": 0.9, "findings": []})).action == "quarantine"
 }
 
 test_sensitive_action_without_opt_in_flag_still_forgets if {

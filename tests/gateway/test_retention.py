@@ -1,6 +1,8 @@
 """The retention sweeper forgets what the retention policy says has expired, exactly and audited."""
 from __future__ import annotations
 
+from datetime import datetime, timedelta, timezone
+
 import pytest
 
 from gateway.demo import CONFIG_FILE
@@ -25,7 +27,9 @@ def test_expired_secret_is_forgotten_by_the_sweeper(live_gateway):
         before = http.get(f"/v1/sessions/{sid}/segments").json()["segments"]
         assert before[-1]["data_class"] == "secret" and before[-1]["state"] == "live"
 
-        swept = gw.sweep_retention()  # the policy keeps secrets 0 s
+        gw.sweep_retention()  # the demo tenant keeps secrets 600 s: nothing of this session expires yet
+        assert http.get(f"/v1/sessions/{sid}/segments").json()["segments"][-1]["state"] == "live"
+        swept = gw.sweep_retention(now=datetime.now(timezone.utc) + timedelta(seconds=601))
 
         assert swept >= 1
         after = http.get(f"/v1/sessions/{sid}/segments").json()["segments"]
