@@ -3,5 +3,6 @@
 from .core import Gate, scan
 from .errors import GateError
 from .findings import Finding, GateReport
+from .probe import InjectionProbe
 
-__all__ = ["Finding", "Gate", "GateError", "GateReport", "scan"]
+__all__ = ["Finding", "Gate", "GateError", "GateReport", "InjectionProbe", "scan"]

@@ -26,7 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from audit import AuditLog, Signer
 from audit.api import make_router
-from gate import Gate
+from gate import Gate, InjectionProbe
 from kvkernel import GenerationConfig, Kernel, Model, load_model
 from ledger import Ledger
 from policies import PolicyEngine
@@ -99,12 +99,24 @@ def build_state(settings: Settings) -> AppState:
     )
 
 
+def load_probe(settings: Settings, model: Model) -> InjectionProbe | None:
+    """The hidden-state injection probe, when enabled and trained against this very model."""
+    if not settings.probe:
+        return None
+    probe = InjectionProbe.load()
+    if probe.model_identity != model.identity:
+        log.warning("probe.disabled", reason="trained on another model", probe_model=probe.model_identity[:16],
+                    model=model.identity[:16])
+        return None
+    return probe
+
+
 def attach_model(state: AppState, model: Model) -> None:
     s = state.settings
     state.model = model
     state.gateway = Gateway(Components(
         model=model, kernel=Kernel(model, tile=s.tile), ledger=state.ledger, audit=state.audit,
-        policy=state.policy, gate=state.gate, metrics=state.metrics,
+        policy=state.policy, gate=state.gate, metrics=state.metrics, probe=load_probe(s, model),
         salt_secret=secret_file(s.resolved("salt_secret_path", "salt.key")), witness_mode=s.witness_mode,
         max_tool_result_bytes=s.max_tool_result_bytes, max_new_tokens=s.max_new_tokens, check_invariants=s.debug))
     state.ready.set()

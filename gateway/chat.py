@@ -156,6 +156,14 @@ class Conversation:
         return RenderedMessage(index=k, role=m.role, tool=self._names.get(k), content=raw,
                                content_sha256=hashlib.sha256(raw).hexdigest(), tokens=self.chunk(k))
 
+    def frame(self, k: int) -> tuple[int, int]:
+        """How many tokens of chunk k are template framing before and after the content."""
+        full, bare = self.chunk(k), self.chunk(k, "")
+        head = next((i for i, (a, b) in enumerate(zip(full, bare)) if a != b), min(len(full), len(bare)))
+        tail = next((i for i, (a, b) in enumerate(zip(reversed(full), reversed(bare))) if a != b),
+                    min(len(full), len(bare)))
+        return min(head, len(bare)), min(tail, len(bare) - min(head, len(bare)))
+
     def stub(self, k: int, reason: str) -> tuple[int, ...]:
         """Tokens of the short stub that replaces a quarantined tool result in the model's context."""
         return self.chunk(k, stub_text(reason))

@@ -178,9 +178,11 @@ def gate_eval(data: Annotated[Path, typer.Option(help="JSONL of {text, label}")]
     if json_out:
         _emit(result)
         return
-    for label, m in result.get("labels", result).items():
-        typer.echo(f"{label:10} " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
-                                            for k, v in m.items()))
+    for label, metrics in result.items():
+        if isinstance(metrics, dict):
+            typer.echo(f"{label:10} " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
+                                                for k, v in metrics.items() if not isinstance(v, dict)))
+    typer.echo(f"{result['documents']} documents, {result['megabytes']} MB, {result['throughput_mb_s']} MB/s")
 
 
 # ---- policy ---------------------------------------------------------------------------------

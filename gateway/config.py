@@ -59,6 +59,7 @@ class Settings(BaseSettings):
 
     # gate
     gitleaks_config: Path | None = None
+    probe: bool = Field(default=True, description="score staged tool results with the hidden-state probe")
 
     # audit and secrets
     audit_origin: str = "lethe.local/audit"

@@ -22,7 +22,7 @@ from typing import Any
 import structlog
 
 from audit import AuditLog
-from gate import Gate, GateReport
+from gate import Gate, GateReport, InjectionProbe
 from kvkernel import GenerationConfig, Kernel, KVCache, Model
 from ledger import Ledger, Segment, SegmentState, SessionRecord
 from policies import PolicyEngine, PolicyError, derive_salt
@@ -94,6 +94,46 @@ class Action:
 
 
 @dataclass(frozen=True)
+class Verdict:
+    """The gate's report, plus the hidden-state probe's score of the staged content when one runs.
+
+    `injection` is the probe's calibrated stack of both scores: the byte layers catch what is
+    written, the probe what the model reads as an instruction.
+    """
+
+    report: GateReport
+    probe_score: float | None
+    injection: float
+
+    @classmethod
+    def of(cls, report: GateReport, probe_score: float | None, probe: InjectionProbe | None) -> "Verdict":
+        if probe is None or probe_score is None:
+            return cls(report, None, report.injection)
+        return cls(report, probe_score, float(probe.combine(probe_score, report.injection)))
+
+    @property
+    def label(self) -> str:
+        return "injection" if self.injection >= 0.5 else "secret" if self.report.secret >= 0.5 else "clean"
+
+    def findings(self) -> list[dict[str, Any]]:
+        found = [{"kind": f.kind, "rule_id": f.rule_id, "layer": f.layer, "score": f.score}
+                 for f in self.report.findings]
+        if self.probe_score is not None and self.probe_score >= 0.5:
+            found.append({"kind": "injection", "rule_id": "hidden-state-probe", "layer": "probe",
+                          "score": self.probe_score})
+        return found
+
+    def policy_input(self) -> dict[str, Any]:
+        return {"injection": self.injection, "secret": self.report.secret, "findings": self.findings()}
+
+    def summary(self) -> dict[str, Any]:
+        summary = {**self.report.summary(), "injection": self.injection}
+        if self.probe_score is not None:
+            summary.update(injection_bytes=self.report.injection, probe=self.probe_score)
+        return summary
+
+
+@dataclass(frozen=True)
 class PostTurn:
     """A tool result admitted for this turn only: forgotten or amortized once the reply is out."""
 
@@ -123,6 +163,7 @@ class Components:
     gate: Gate
     metrics: Metrics
     salt_secret: bytes
+    probe: InjectionProbe | None = None
     witness_mode: str = "full"
     max_tool_result_bytes: int = 256_000
     max_new_tokens: int = 256
@@ -374,6 +415,7 @@ class Gateway:
 
     def _admit_tool(self, principal: Principal, live: LiveSession, conv: Conversation,
                     m: RenderedMessage) -> tuple[Action, Segment]:
+        """gate → stage (the probe reads the staged states) → policy → commit, or rollback to a stub."""
         if len(m.content) > self.p.max_tool_result_bytes:
             raise GatewayError(413, "tool_result_too_large",
                                f"messages[{m.index}] tool result is {len(m.content)} bytes; the limit is "
@@ -385,19 +427,25 @@ class Gateway:
         except Exception as exc:
             log.error("gate.failed", session=live.record.id, error=type(exc).__name__)
             raise unavailable("gate", exc) from exc
-        decision = self.p.policy.decide(self._decision_input(principal, live, m, report))
-        verdict = "injection" if report.injection >= 0.5 else "secret" if report.secret >= 0.5 else "clean"
-        self.p.metrics.gate_verdicts.labels(verdict).inc()
+        compute_started = time.perf_counter()
+        probe = self._stage_scored(live, conv, m)
+        compute = time.perf_counter() - compute_started
+        verdict = Verdict.of(report, probe, self.p.probe)
+        decision = self.p.policy.decide(self._decision_input(principal, live, m, verdict))
+        self.p.metrics.gate_verdicts.labels(verdict.label).inc()
         self.p.metrics.actions.labels(decision.action).inc()
         quarantined = decision.action == "quarantine"
-        reason = _stub_reason(report, decision.reasons)
-        tokens = conv.stub(m.index, reason) if quarantined else m.tokens
-        action = Action(m.index, None, m.tool, decision.action, decision.reasons, report.summary())
-        compute_started = time.perf_counter()
-        self._compute(live.cache.stage, tokens)
-        compute = time.perf_counter() - compute_started
+        reason = _stub_reason(verdict, decision.reasons)
+        tokens = m.tokens
+        if quarantined:  # the content leaves exactly as it came; a stub takes its place
+            tokens = conv.stub(m.index, reason)
+            compute_started = time.perf_counter()
+            self._compute(live.cache.rollback)
+            self._compute(live.cache.stage, tokens)
+            compute += time.perf_counter() - compute_started
+        action = Action(m.index, None, m.tool, decision.action, decision.reasons, verdict.summary())
         try:
-            segment = self._record_admission(principal, live, m, tokens, report, decision, reason, action)
+            segment = self._record_admission(principal, live, m, tokens, verdict, decision, reason, action)
         except GatewayError:
             self._compute(live.cache.rollback)
             raise
@@ -411,39 +459,48 @@ class Gateway:
         action.overhead_ms = overhead * 1e3
         self.p.metrics.overhead_seconds.observe(overhead)
         log.info("tool.admitted", session=live.record.id, segment=segment.id, tool=m.tool, action=decision.action,
-                 injection=round(report.injection, 4), secret=round(report.secret, 4),
+                 injection=round(verdict.injection, 4), secret=round(report.secret, 4),
                  overhead_ms=round(overhead * 1e3, 3))
         return action, segment
 
+    def _stage_scored(self, live: LiveSession, conv: Conversation, m: RenderedMessage) -> float | None:
+        """Stage the tool result; with a probe, score the residual states of its content tokens."""
+        probe = self.p.probe
+        if probe is None:
+            self._compute(live.cache.stage, m.tokens)
+            return None
+        _, states = self._compute(live.cache.stage_with_states, m.tokens, probe.layers)
+        head, tail = conv.frame(m.index)
+        content = {layer: s[head:len(m.tokens) - tail].float().numpy() for layer, s in states.items()}
+        return probe.score(content)
+
     def _decision_input(self, principal: Principal, live: LiveSession, m: RenderedMessage,
-                        report: GateReport) -> dict[str, Any]:
+                        verdict: Verdict) -> dict[str, Any]:
         age = (datetime.now(timezone.utc) - _utc(live.record.created_at)).total_seconds()
         return {
             "tenant": principal.tenant, "user": principal.user,
-            "session": {"id": live.record.id, "age_s": age, "tokens": len(live.cache)},
+            "session": {"id": live.record.id, "age_s": age, "tokens": len(live.cache) - len(m.tokens)},
             "tool": m.tool or "unknown",
             "span": {"bytes": len(m.content), "tokens": len(m.tokens)},
-            "gate": {"injection": report.injection, "secret": report.secret,
-                     "findings": [{"kind": f.kind, "rule_id": f.rule_id, "layer": f.layer, "score": f.score}
-                                  for f in report.findings]},
+            "gate": verdict.policy_input(),
         }
 
     def _record_admission(self, principal: Principal, live: LiveSession, m: RenderedMessage,
-                          tokens: tuple[int, ...], report: GateReport, decision: Any, reason: str,
+                          tokens: tuple[int, ...], verdict: Verdict, decision: Any, reason: str,
                           action: Action) -> Segment:
         """Ledger, then audit (for quarantine). If the audit write fails, the new segment is
         superseded again and the caller rolls the stage back: no span without its record."""
         state = SegmentState.QUARANTINED if decision.action == "quarantine" else SegmentState.LIVE
-        data_class = "secret" if report.secret >= 0.5 else "quarantined" if state is SegmentState.QUARANTINED \
-            else "normal"
-        meta = {"gate": report.summary(), "decision": decision.to_dict(), "stub_reason": reason}
+        data_class = "secret" if verdict.report.secret >= 0.5 else "quarantined" \
+            if state is SegmentState.QUARANTINED else "normal"
+        meta = {"gate": verdict.summary(), "decision": decision.to_dict(), "stub_reason": reason}
         segment = self.p.ledger.append(live.record.id, role=m.role, tool=m.tool, content=m.content,
                                        n_tokens=len(tokens), state=state, data_class=data_class, meta=meta)
         if state is SegmentState.QUARANTINED:
             try:
                 action.audit_index = self.p.audit.append(self._record(
                     "quarantine", live, segment.id, (segment.start, segment.end), len(m.tokens), m.content_sha256,
-                    report.summary(), decision.to_dict(), _actor(principal), None))
+                    verdict.summary(), decision.to_dict(), _actor(principal), None))
             except Exception:
                 self.p.ledger.truncate(live.record.id, segment.start)
                 raise
@@ -638,10 +695,10 @@ def _stub_reason_of(seg: Segment) -> str:
     return str(seg.meta.get("stub_reason", "policy"))
 
 
-def _stub_reason(report: GateReport, reasons: tuple[str, ...]) -> str:
-    if report.injection >= 0.5:
+def _stub_reason(verdict: Verdict, reasons: tuple[str, ...]) -> str:
+    if verdict.injection >= 0.5:
         return "prompt-injection"
-    if report.secret >= 0.5:
+    if verdict.report.secret >= 0.5:
         return "secret"
     if any(r.startswith("policy-error") for r in reasons):
         return "policy-error"

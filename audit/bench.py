@@ -1,0 +1,134 @@
+"""`lethe bench audit`: append throughput and proof latency, as JSON numbers.
+
+Appends are timed three ways: one durable ``append`` per record (one commit and fsync each), and
+``append_many`` in batches of 64 (one commit per batch; the batching the issue allows). The tree is
+then filled to ``records`` with ``append_many`` in batches of 10,000 (the same code path, larger
+transactions), and inclusion and consistency proofs are generated from the database and verified
+against the signed checkpoint at that size. An existing log with enough records is reused.
+"""
+from __future__ import annotations
+
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .keys import Signer
+from .log import AuditLog
+
+__all__ = ["run_audit_bench"]
+
+FILL_BATCH = 10_000
+PROOF_SAMPLES = 300
+
+
+def _record(i: int) -> dict[str, Any]:
+    """A forget record of realistic size (its witness included)."""
+    return {
+        "kind": "forget",
+        "tenant": f"tenant-{i % 17}",
+        "session": f"session-{i % 1009}",
+        "segment_id": f"seg-{i}",
+        "span": [i % 4096, i % 4096 + 37],
+        "token_count": 37,
+        "content_sha256": f"{i:064x}",
+        "gate": {"verdict": "block", "rules": ["aws-key"]},
+        "decision": {"action": "forget", "reasons": ["secret"], "bundle_hash": "b" * 64},
+        "actor": "bench",
+        "witness": {
+            "never_saw": True, "equal": True, "max_abs_dk": 0.0, "max_abs_dv": 0.0, "max_abs_dlogits": 0.0,
+            "digest_edited": "d" * 64, "digest_reference": "d" * 64,
+        },
+    }
+
+
+def _rate(n: int, fn: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    fn()
+    return round(n / (time.perf_counter() - start), 1)
+
+
+def _ms(samples: list[float]) -> dict[str, float]:
+    samples = sorted(samples)
+    return {
+        "p50": round(statistics.median(samples) * 1e3, 3),
+        "p95": round(samples[int(len(samples) * 0.95) - 1] * 1e3, 3),
+        "max": round(samples[-1] * 1e3, 3),
+    }
+
+
+def _fill(log: AuditLog, records: int, progress: bool) -> float:
+    start, todo = time.perf_counter(), records - log.size
+    bar = None
+    if progress and todo > 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=todo, desc="audit fill", unit="rec")
+    while (n := min(FILL_BATCH, records - log.size)) > 0:
+        base = log.size
+        log.append_many([_record(base + i) for i in range(n)])
+        if bar:
+            bar.update(n)
+    if bar:
+        bar.close()
+    return round(time.perf_counter() - start, 1)
+
+
+def _proofs(log: AuditLog) -> dict[str, Any]:
+    cp = log.checkpoint()
+    rng = random.Random(9162)
+    inclusion, consistency = [], []
+    for _ in range(PROOF_SAMPLES):
+        index = rng.randrange(cp.size)
+        start = time.perf_counter()
+        proof = log.inclusion_proof(index, cp.size)
+        proof.verify(bytes.fromhex(log.get(index).leaf_hash), cp.root_hash)
+        inclusion.append(time.perf_counter() - start)
+    older = log.checkpoints(max_size=cp.size - 1)
+    for old in rng.sample(older, min(PROOF_SAMPLES, len(older))):
+        start = time.perf_counter()
+        log.consistency_proof(old.size, cp.size).verify(old.root_hash, cp.root_hash)
+        consistency.append(time.perf_counter() - start)
+    return {
+        "tree_size": cp.size,
+        "inclusion_ms": _ms(inclusion),
+        "consistency_ms": _ms(consistency),
+        "proof_hashes": len(log.inclusion_proof(0, cp.size).hashes),
+        "note": "each sample = proof generation from the database + the record fetch (inclusion) + verification",
+    }
+
+
+def _bench_backend(url: str, key: Path, records: int, progress: bool) -> dict[str, Any]:
+    log = AuditLog(url, Signer.load_or_create(key), batch_size=64)
+    single, batched = 300, 64 * 100
+    result: dict[str, Any] = {
+        "append_single_per_s": _rate(single, lambda: [log.append(_record(i)) for i in range(single)]),
+        "append_batched_64_per_s": _rate(
+            batched, lambda: [log.append_many([_record(i) for i in range(64)]) for _ in range(batched // 64)]
+        ),
+    }
+    result["fill_s"] = _fill(log, records, progress)
+    result["fill_method"] = f"append_many in batches of {FILL_BATCH} (the normal append path)"
+    result.update(_proofs(log))
+    log.close()
+    return result
+
+
+def run_audit_bench(
+    *,
+    sqlite_path: Path | None = None,
+    postgres_url: str | None = None,
+    records: int = 1_000_000,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Benchmark SQLite (a temporary file unless ``sqlite_path``) and, if given, PostgreSQL."""
+    out: dict[str, Any] = {"records": records, "targets": {"append_per_s_sqlite": 2000, "proof_ms": 5}}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(sqlite_path) if sqlite_path else Path(tmp) / "audit-bench.db"
+        out["sqlite"] = _bench_backend(f"sqlite:///{path}", path.with_suffix(".key"), records, progress)
+        if postgres_url:
+            out["postgresql"] = _bench_backend(postgres_url, path.with_suffix(".pg.key"), records, progress)
+    return out

@@ -1,0 +1,167 @@
+"""Tables, engines and the one write lock of the audit log (SQLite WAL or PostgreSQL).
+
+Every table is append-only: the code only INSERTs, and triggers make the database refuse UPDATE,
+DELETE (and TRUNCATE on PostgreSQL) so that a bug or a careless operator cannot rewrite history
+without first dropping a trigger, which leaves the signed checkpoints to catch them.
+
+Writers serialize on one lock per database, so indices have no gaps and no duplicates across
+processes and replicas: ``BEGIN IMMEDIATE`` on SQLite, a transaction-scoped advisory lock on
+PostgreSQL. Nothing mutable exists to lock: the head is ``max(idx) + 1``.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Connection,
+    Engine,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+    Text,
+    create_engine,
+    event,
+    text,
+)
+from sqlalchemy.engine import make_url
+
+from .errors import AuditError
+
+__all__ = ["checkpoints", "keys", "make_engine", "node_id", "nodes", "records", "write_transaction"]
+
+metadata = MetaData()
+_INDEX = BigInteger().with_variant(Integer, "sqlite")  # SQLite: INTEGER PRIMARY KEY is the rowid itself
+
+records = Table(
+    "audit_records",
+    metadata,
+    Column("idx", _INDEX, primary_key=True, autoincrement=False),
+    Column("time_us", BigInteger, nullable=False),  # microseconds since the epoch, for since/until
+    Column("kind", String(32), nullable=False),
+    Column("tenant", String(255)),
+    Column("session", String(255)),
+    Column("entry", LargeBinary, nullable=False),  # the exact RFC 8785 bytes that were hashed
+    Column("leaf_hash", LargeBinary(32), nullable=False),
+    Index("audit_records_tenant_idx", "tenant", "idx"),
+    Index("audit_records_session_idx", "session", "idx"),
+    Index("audit_records_kind_idx", "kind", "idx"),
+    Index("audit_records_time_idx", "time_us"),
+)
+
+# Hashes of complete perfect subtrees, written once when they complete. Node (level, index) covers
+# leaves [index << level, (index + 1) << level) and is stored under id = level << 48 | index: one
+# integer key, so a proof's O(log n) nodes are one `id IN (...)` look-up. Level 0 holds the leaves.
+NODE_ID_SHIFT = 48
+
+nodes = Table(
+    "audit_nodes",
+    metadata,
+    Column("id", _INDEX, primary_key=True, autoincrement=False),
+    Column("hash", LargeBinary(32), nullable=False),
+)
+
+
+def node_id(level: int, index: int) -> int:
+    return level << NODE_ID_SHIFT | index
+
+
+checkpoints = Table(
+    "audit_checkpoints",
+    metadata,
+    Column("size", _INDEX, primary_key=True, autoincrement=False),
+    Column("root_hash", LargeBinary(32), nullable=False),
+    Column("key_id", String(8), nullable=False),
+    Column("time_us", BigInteger, nullable=False),
+    Column("note", Text, nullable=False),
+)
+
+# The key chain: seq 0 is the genesis key; each rotation adds the next, which signs checkpoints
+# of size >= from_size.
+keys = Table(
+    "audit_keys",
+    metadata,
+    Column("seq", Integer, primary_key=True, autoincrement=False),
+    Column("key_id", String(8), nullable=False),
+    Column("name", String(255), nullable=False),
+    Column("public_key_pem", Text, nullable=False),
+    Column("from_size", BigInteger, nullable=False),
+)
+
+_WRITE = "lethe_audit_write"
+_PG_LOCK = int.from_bytes(hashlib.sha256(b"lethe audit append lock").digest()[:8], "big", signed=True)
+
+_PG_TRIGGERS = [
+    """CREATE OR REPLACE FUNCTION audit_append_only() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN RAISE EXCEPTION '% is append-only: audit rows are never updated or deleted', TG_TABLE_NAME; END $$""",
+    *(
+        stmt
+        for t in metadata.tables
+        for stmt in (
+            f"CREATE OR REPLACE TRIGGER {t}_append_only BEFORE UPDATE OR DELETE ON {t} "
+            "FOR EACH ROW EXECUTE FUNCTION audit_append_only()",
+            f"CREATE OR REPLACE TRIGGER {t}_no_truncate BEFORE TRUNCATE ON {t} "
+            "FOR EACH STATEMENT EXECUTE FUNCTION audit_append_only()",
+        )
+    ),
+]
+_SQLITE_TRIGGERS = [
+    f"CREATE TRIGGER IF NOT EXISTS {t}_no_{op.lower()} BEFORE {op} ON {t} "
+    f"BEGIN SELECT RAISE(ABORT, '{t} is append-only: audit rows are never updated or deleted'); END"
+    for t in metadata.tables
+    for op in ("UPDATE", "DELETE")
+]
+
+
+def _sqlite_engine(url: str) -> Engine:
+    database = make_url(url).database
+    if not database or database == ":memory:":
+        raise AuditError("the audit log needs a file database (sqlite:///path/audit.db), not :memory:")
+    Path(database).parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 60})
+
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None  # we emit BEGIN ourselves, below
+        for pragma in ("journal_mode=WAL", "synchronous=FULL", "busy_timeout=60000"):
+            dbapi_conn.execute(f"PRAGMA {pragma}")  # FULL: a commit has reached the disk
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn: Connection) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get(_WRITE) else "BEGIN")
+
+    return engine
+
+
+def make_engine(url: str) -> Engine:
+    backend = make_url(url).get_backend_name()
+    if backend == "sqlite":
+        engine = _sqlite_engine(url)
+    elif backend == "postgresql":
+        engine = create_engine(url)
+    else:
+        raise AuditError(f"audit database {backend!r} is not supported; use sqlite:///… or postgresql+psycopg://…")
+    with write_transaction(engine) as conn:  # under the lock: replicas starting together do not race
+        metadata.create_all(conn)
+        for stmt in _PG_TRIGGERS if backend == "postgresql" else _SQLITE_TRIGGERS:
+            conn.execute(text(stmt))  # text(): psycopg would read the % in RAISE as a placeholder
+    return engine
+
+
+@contextmanager
+def write_transaction(engine: Engine) -> Iterator[Connection]:
+    """A transaction holding the log's write lock; committed (durably) when the block exits."""
+    with engine.connect() as conn:
+        conn.execution_options(**{_WRITE: True})
+        with conn.begin():
+            if engine.dialect.name == "postgresql":
+                conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _PG_LOCK})
+            yield conn

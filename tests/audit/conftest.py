@@ -1,0 +1,81 @@
+"""Shared fixtures: a signer, fresh SQLite and PostgreSQL logs, and a record factory."""
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from audit import AuditLog, Signer
+
+PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+
+WITNESS = {
+    "never_saw": True,
+    "equal": True,
+    "max_abs_dk": 0.0,
+    "max_abs_dv": 0.0,
+    "max_abs_dlogits": 0.0,
+    "digest_edited": "e3b0c442",
+    "digest_reference": "e3b0c442",
+}
+
+
+def make_record(i: int, *, tenant: str = "acme", kind: str = "forget") -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "kind": kind,
+        "tenant": tenant,
+        "session": f"s{i % 3}",
+        "segment_id": f"seg-{i}",
+        "span": [i, i + 5],
+        "token_count": 5,
+        "content_sha256": f"{i:064x}",
+        "decision": {"action": kind, "reasons": ["secret"], "bundle_hash": "b" * 64},
+        "actor": "test",
+    }
+    if kind == "forget":
+        record["witness"] = dict(WITNESS)
+    if kind == "amortize":
+        record["witness"] = {"never_saw": False, "divergence": 0.03}
+    return record
+
+
+@pytest.fixture
+def record() -> Callable[..., dict[str, Any]]:
+    return make_record
+
+
+@pytest.fixture
+def signer() -> Signer:
+    return Signer.generate()
+
+
+@pytest.fixture
+def sqlite_url(tmp_path) -> str:
+    return f"sqlite:///{tmp_path / 'audit.db'}"
+
+
+@pytest.fixture
+def sqlite_log(sqlite_url: str, signer: Signer) -> Iterator[AuditLog]:
+    log = AuditLog(sqlite_url, signer, batch_size=8)
+    yield log
+    log.close()
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """A fresh PostgreSQL database per test (dropped afterwards), so runs never collide."""
+    admin = sa.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            name = f"audit_test_{uuid.uuid4().hex[:12]}"
+            conn.exec_driver_sql(f"CREATE DATABASE {name}")
+    except sa.exc.OperationalError as e:
+        admin.dispose()
+        pytest.skip(f"PostgreSQL at {PG_ADMIN_URL} is unreachable: {e.__class__.__name__}")
+    yield PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    admin.dispose()

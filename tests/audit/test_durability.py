@@ -1,0 +1,114 @@
+"""kill -9 during appends, and four processes appending to PostgreSQL at once."""
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from audit import AuditLog, Signer
+from audit.verify import verify_export
+
+WORKER = Path(__file__).with_name("audit_worker.py")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _spawn(*args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.Popen([sys.executable, str(WORKER), *args], env=env, stderr=subprocess.PIPE)
+
+
+def _acked(path: Path) -> list[int]:
+    return [int(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _check_log(log: AuditLog, url: str, tmp_path: Path, signer: Signer) -> None:
+    """Intact: the export verifies, every checkpoint is a prefix of the head, and the stored nodes are exactly the complete subtrees."""
+    head = log.checkpoint()
+    log.export(tmp_path / "export.json")
+    report = verify_export(tmp_path / "export.json", public_key_pem=signer.public_key_pem)
+    assert report.ok, report.summary()
+    for cp in log.checkpoints():
+        log.consistency_proof(cp.size, head.size).verify(cp.root_hash, head.root_hash)
+    engine = sa.create_engine(url)
+    with engine.connect() as conn:
+        stored = conn.exec_driver_sql("SELECT count(*) FROM audit_nodes").scalar()
+    engine.dispose()
+    assert stored == sum(head.size >> level for level in range(64))
+
+
+@pytest.mark.slow
+def test_kill_9_during_appends_loses_no_acknowledged_record(sqlite_url, tmp_path):
+    key, ack = tmp_path / "key.pem", tmp_path / "acks"
+    for round_ in range(3):
+        child = _spawn(sqlite_url, str(key), str(ack), "0")
+        deadline = time.monotonic() + 60
+        target = 40 * (round_ + 1)
+        while len(_acked(ack)) < target:
+            assert child.poll() is None, child.stderr.read().decode()
+            assert time.monotonic() < deadline, "worker made no progress"
+            time.sleep(0.005)
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    signer = Signer.load_or_create(key)
+    log = AuditLog(sqlite_url, signer)
+    acked = _acked(ack)
+    assert len(acked) == len(set(acked))
+    assert max(acked) < log.size
+    for index in acked:
+        assert log.get(index).body["segment_id"].startswith(str(ack))
+    log.append({"kind": "quarantine"})  # the restarted log appends where it left off
+    _check_log(log, sqlite_url, tmp_path, signer)
+    head = log.checkpoint()
+    for index in acked[:: max(1, len(acked) // 25)]:
+        log.inclusion_proof(index, head.size).verify(bytes.fromhex(log.get(index).leaf_hash), head.root_hash)
+    log.close()
+
+
+@pytest.mark.postgres
+@pytest.mark.slow
+def test_four_processes_append_to_postgres_without_gaps_or_duplicates(pg_url, tmp_path):
+    key, go = tmp_path / "key.pem", tmp_path / "go"
+    signer = Signer.load_or_create(key)
+    AuditLog(pg_url, signer).close()  # create the schema once; the workers also race on it harmlessly
+    acks = [tmp_path / f"acks{w}" for w in range(4)]
+    workers = [_spawn(pg_url, str(key), str(a), "500", str(go)) for a in acks]
+    go.touch()
+    for w in workers:
+        assert w.wait(timeout=240) == 0, w.stderr.read().decode()
+    indices = sorted(itertools.chain.from_iterable(_acked(a) for a in acks))
+    assert indices == list(range(2000))  # no gaps, no duplicates
+    log = AuditLog(pg_url, signer)
+    assert log.size == 2000
+    _check_log(log, pg_url, tmp_path, signer)
+    cps = log.checkpoints()
+    assert len(cps) >= 2000 // 64
+    for old, new in itertools.combinations(cps, 2):  # every checkpoint consistent with every later one
+        log.consistency_proof(old.size, new.size).verify(old.root_hash, new.root_hash)
+    log.close()
+
+
+@pytest.mark.postgres
+def test_postgres_triggers_refuse_update_delete_truncate(pg_url, signer, record):
+    log = AuditLog(pg_url, signer, batch_size=2)
+    log.append_many([record(i) for i in range(4)])
+    engine = sa.create_engine(pg_url)
+    for stmt in (
+        "UPDATE audit_records SET kind = 'quarantine' WHERE idx = 1",
+        "DELETE FROM audit_records WHERE idx = 3",
+        "UPDATE audit_nodes SET hash = '\\x00' WHERE id = 0",
+        "DELETE FROM audit_checkpoints",
+        "TRUNCATE audit_records",
+        "DELETE FROM audit_keys",
+    ):
+        with engine.connect() as conn, pytest.raises(sa.exc.DatabaseError, match="append-only"):
+            conn.exec_driver_sql(stmt)
+    engine.dispose()
+    assert log.size == 4 and log.get(1).body["kind"] == "forget"
+    log.close()
