@@ -80,11 +80,12 @@ def test_window_means_match_brute_force() -> None:
 
 
 @pytest.fixture(scope="module")
-def states(probe: InjectionProbe):
-    """Tool-result hidden states from the real SmolLM2 (truncated after the probe's deepest layer)."""
-    if not (MODEL_DIR / "model.safetensors").is_file():
-        pytest.skip(f"{MODEL_DIR} not found; convert the model first (the kvkernel `real_model` fixture does it)")
-    torch = pytest.importorskip("torch")
+def states(probe: InjectionProbe, real_model):
+    """Tool-result hidden states from the real SmolLM2 (truncated after the probe's deepest layer).
+
+    `real_model` converts the model into MODEL_DIR on a fresh machine."""
+    import torch
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(1)
@@ -102,11 +103,8 @@ def states(probe: InjectionProbe):
     return run
 
 
-def test_model_identity_matches_converted_model(probe: InjectionProbe) -> None:
-    marker = MODEL_DIR / "lethe-identity.json"
-    if not marker.is_file():
-        pytest.skip(f"{marker} not found; convert the model first")
-    assert probe.model_identity == json.loads(marker.read_text())["sha256"]
+def test_model_identity_matches_converted_model(probe: InjectionProbe, real_model) -> None:
+    assert probe.model_identity == real_model.identity
 
 
 def test_injected_tool_result_scores_higher_than_benign(probe: InjectionProbe, states) -> None:

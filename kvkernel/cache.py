@@ -1,0 +1,565 @@
+"""The kernel and its KV cache: exact forget, Leyline amortize, stage/rollback, never-saw witnesses.
+
+A :class:`KVCache` is a plain data structure: per layer, rotated keys, values and pre-RoPE keys
+in one growable buffer, plus the token ids and the next-token logits. Rows at and beyond the
+length are always zero, so freed rows are zeroed by construction and masked rows are finite.
+
+Every operation is atomic: arguments are validated before anything changes, and the rows an
+operation may overwrite are saved first and restored if it fails half-way.
+
+Exactness is structural (see :mod:`kvkernel.forward`): the K, V and logits at position p are a
+pure function of ``tokens[0..p]`` on this environment, which :class:`Kernel` self-tests at
+start-up. Forget truncates at the first span and re-prefills the survivors, so its result *is* a
+prefill of the survivors and equals a fresh one bit for bit; the witness checks it.
+
+CUDA: the same canonical shapes are used on a GPU and the start-up self-test runs there too, so
+a kernel that starts on CUDA has passed the chunked-vs-one-shot check on that device. What is not
+guaranteed on CUDA: that cuBLAS/SDPA pick the same algorithm for every shape the self-test did not
+cover (e.g. very long key lengths), and bit equality across GPU models, drivers or library
+versions. Witnesses record device, dtype and environment so a verifier can tell. On CPU the
+guarantee was measured for fp32 with MKL (torch 2.13); it is re-checked at every start.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from threading import Lock
+from typing import Any
+
+import structlog
+import torch
+
+from kvkernel.errors import ExactnessError, KernelError, SpanError, StateError
+from kvkernel.forward import Transformer, linear_row_invariance, rope_table
+from kvkernel.model import Model
+from kvkernel.witness import AmortizeWitness, ForgetWitness, divergence, env_fingerprint, tokens_sha256
+
+log = structlog.get_logger(__name__)
+
+KERNEL_VERSION = "kvkernel/1.0 canonical-tiles"
+_INITIAL_CAPACITY = 256
+_WITNESS_MODES = ("full", "deferred", "none")
+
+
+@dataclass
+class GenerationConfig:
+    """Decoding settings: greedy when ``temperature == 0``, else seeded temperature/top-p."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: Sequence[str] = ()
+
+
+@dataclass
+class ForgetResult:
+    """``witness`` in full mode; ``pending`` resolves to the witness in deferred mode."""
+
+    witness: ForgetWitness | None
+    pending: concurrent.futures.Future[ForgetWitness] | None = None
+    removed: int = 0
+    recomputed: int = 0
+
+
+@dataclass
+class AmortizeResult:
+    """A Leyline splice's witness (None only if skipped). NOT erasure; see :class:`AmortizeWitness`."""
+
+    witness: AmortizeWitness | None
+
+
+@dataclass
+class MemoryReport:
+    """Cache memory: per token = 2 x layers x kv_heads x head_dim x bytes (K, V) + raw keys."""
+
+    tokens: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    kv_bytes_per_token: int
+    raw_key_bytes_per_token: int
+    bytes_per_token: int
+    total_bytes: int
+    capacity_tokens: int
+    allocated_bytes: int
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class Kernel:
+    """One model's canonical forward plus a worker for deferred witnesses. Create caches here."""
+
+    version = KERNEL_VERSION
+
+    def __init__(self, model: Model, *, tile: int = 16) -> None:
+        self.model = model
+        self.tile = tile
+        self.transformer = Transformer(model, tile)
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvkernel-witness")
+        self.self_test = _self_test(self)
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self)
+
+    def close(self) -> None:
+        """Wait for pending deferred witnesses and stop the worker."""
+        self._executor.shutdown(wait=True)
+
+    def prefill(self, tokens: Sequence[int]) -> KVCache:
+        """A fresh cache holding ``tokens``: the never-saw reference of a witness."""
+        cache = self.new_cache()
+        if tokens:
+            cache.extend(tokens)
+        return cache
+
+
+class KVCache:
+    """An exact, editable KV cache. NOT thread-safe: callers serialise access per cache."""
+
+    def __init__(self, kernel: Kernel) -> None:
+        s = kernel.transformer.shape
+        self._kernel = kernel
+        self._tf = kernel.transformer
+        self._kv = torch.zeros(3, s.layers, s.kv_heads, _INITIAL_CAPACITY, s.head_dim, device=kernel.model.device, dtype=kernel.model.dtype)
+        self._tokens: list[int] = []
+        self._logits: torch.Tensor | None = None
+        self._staged: tuple[int, torch.Tensor | None] | None = None
+
+    # -- views ---------------------------------------------------------------------------------
+
+    @property
+    def tokens(self) -> list[int]:
+        return list(self._tokens)
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def logits(self) -> torch.Tensor | None:
+        """Next-token logits (float32 ``[vocab]``) after the last token; None when empty."""
+        return None if self._logits is None else self._logits.clone()
+
+    @property
+    def staged(self) -> bool:
+        return self._staged is not None
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Copies of one layer's rotated K, V and raw K, each ``[kv_heads, len, head_dim]``."""
+        n = len(self)
+        return tuple(self._kv[i, layer, :, :n].clone() for i in range(3))  # type: ignore[return-value]
+
+    def digest(self) -> str:
+        """sha256 over every layer's K (rotated) and V for all positions, then the logits."""
+        h = hashlib.sha256()
+        n = len(self)
+        for layer in range(self._kv.shape[1]):
+            for i in (0, 1):
+                h.update(_bytes(self._kv[i, layer, :, :n]))
+        if self._logits is not None:
+            h.update(_bytes(self._logits))
+        return h.hexdigest()
+
+    def memory(self) -> MemoryReport:
+        s = self._tf.shape
+        elem = self._kv.element_size()
+        kv = 2 * s.layers * s.kv_heads * s.head_dim * elem
+        raw = s.layers * s.kv_heads * s.head_dim * elem
+        return MemoryReport(
+            tokens=len(self),
+            layers=s.layers,
+            kv_heads=s.kv_heads,
+            head_dim=s.head_dim,
+            dtype_bytes=elem,
+            kv_bytes_per_token=kv,
+            raw_key_bytes_per_token=raw,
+            bytes_per_token=kv + raw,
+            total_bytes=(kv + raw) * len(self),
+            capacity_tokens=self._kv.shape[3],
+            allocated_bytes=self._kv.numel() * elem,
+        )
+
+    def clone(self) -> KVCache:
+        """An independent deep copy (same kernel)."""
+        other = KVCache.__new__(KVCache)
+        other._kernel, other._tf = self._kernel, self._tf
+        other._kv = self._kv.clone()
+        other._tokens = list(self._tokens)
+        other._logits = None if self._logits is None else self._logits.clone()
+        other._staged = None if self._staged is None else (self._staged[0], None if self._staged[1] is None else self._staged[1].clone())
+        return other
+
+    # -- append --------------------------------------------------------------------------------
+
+    def extend(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Prefill ``tokens`` after the current ones; returns the next-token logits."""
+        tokens = self._check_tokens(tokens, extra=len(tokens))
+        if not tokens:
+            raise KernelError("extend() needs at least one token")
+        with self._atomic(len(self)):
+            self._append(tokens)
+        assert self._logits is not None
+        return self._logits.clone()
+
+    def generate(self, cfg: GenerationConfig) -> Iterator[int]:
+        """Stream up to ``cfg.max_new_tokens`` token ids, appending each to the cache first.
+
+        Stops after an EOS token or once the generated text contains a stop string. The EOS or
+        stop-string tokens are yielded and stay in the cache (truncate them if unwanted).
+        """
+        _check_generation(cfg)
+        if self._logits is None:
+            raise StateError("the cache is empty; extend() it with a prompt before generate()")
+        gen = torch.Generator(device="cpu")
+        if cfg.seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(cfg.seed)
+        eos = set(self._kernel.model.eos_token_ids)
+        tokenizer = self._kernel.model.tokenizer
+        produced: list[int] = []
+        for _ in range(cfg.max_new_tokens):
+            if len(self) >= self._kernel.model.max_context:
+                return
+            token = _sample(self._logits, cfg, gen)
+            with self._atomic(len(self)):
+                self._append([token])
+            produced.append(token)
+            yield token
+            if token in eos:
+                return
+            if cfg.stop and any(s in tokenizer.decode(produced) for s in cfg.stop):
+                return
+
+    # -- edits ---------------------------------------------------------------------------------
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` tokens; freed rows are zeroed and the logits recomputed."""
+        self._no_stage("truncate")
+        if not 0 <= n <= len(self):
+            raise SpanError(f"truncate({n}) is out of range for a cache of {len(self)} tokens")
+        if n == len(self):
+            return
+        with self._atomic(max(n - 1, 0)):
+            self._replace_tail(n, [])
+
+    def forget(self, spans: Sequence[tuple[int, int]], *, witness: str = "full") -> ForgetResult:
+        """Exactly erase ``spans`` (half-open, pre-edit coordinates), all or nothing.
+
+        Truncates at the first span and re-prefills the survivors at their new positions, so the
+        result equals a cache that never saw the spans. ``witness``: ``"full"`` builds the
+        never-saw reference now, ``"deferred"`` on the background worker, ``"none"`` skips it.
+        """
+        self._no_stage("forget")
+        if witness not in _WITNESS_MODES:
+            raise KernelError(f"witness must be one of {_WITNESS_MODES}, got {witness!r}")
+        spans = _check_spans(spans, len(self))
+        doomed = {i for a, b in spans for i in range(a, b)}
+        survivors = [t for i, t in enumerate(self._tokens) if i not in doomed]
+        first = spans[0][0]
+        with self._atomic(max(first - 1, 0)):
+            self._replace_tail(first, survivors[first:])
+        result = ForgetResult(witness=None, removed=len(doomed), recomputed=len(survivors) - first)
+        if witness == "full":
+            result.witness = forget_witness(self._kernel, self, spans)
+        elif witness == "deferred":
+            result.pending = self._kernel._executor.submit(forget_witness, self._kernel, self.clone(), spans)
+        log.info("kvkernel.forget", spans=spans, removed=result.removed, recomputed=result.recomputed, witness=witness)
+        return result
+
+    def amortize(self, span: tuple[int, int], replacement: Sequence[int], *, witness: str = "full", probe_tokens: int = 8) -> AmortizeResult:
+        """Leyline splice: replace ``span`` by ``replacement`` without recomputing later tokens.
+
+        The span's rows are dropped, the replacement is prefilled at the span's position, and the
+        downstream keys are re-rotated to their new positions from their pre-RoPE keys (one
+        rotation, never chained); values are untouched. This is NOT erasure: downstream K/V and
+        the next-token logits were computed while the span was present and keep its influence.
+        The witness measures that drift against a fresh prefill of the edited tokens; pass
+        ``witness="none"`` to skip it (then ``AmortizeResult.witness`` is None).
+        """
+        self._no_stage("amortize")
+        if witness not in ("full", "none"):
+            raise KernelError(f"amortize witness must be 'full' or 'none', got {witness!r}")
+        ((a, b),) = _check_spans([span], len(self))
+        replacement = self._check_tokens(replacement, extra=len(replacement) - (b - a))
+        downstream = self._tokens[b:]
+        start = a + len(replacement)
+        with self._atomic(max(a - 1, 0)):
+            if not downstream:
+                self._replace_tail(a, replacement)
+            else:
+                raw = self._kv[2, :, :, b : len(self)].clone()
+                values = self._kv[1, :, :, b : len(self)].clone()
+                stale_logits = self._logits
+                self._rewind(a)
+                if replacement:
+                    self._append(replacement)
+                self._place(start, raw, values)
+                self._tokens.extend(downstream)
+                self._logits = stale_logits
+        log.info("kvkernel.amortize", span=[a, b], replacement=len(replacement), downstream=len(downstream))
+        if witness == "none":
+            return AmortizeResult(witness=None)
+        return AmortizeResult(witness=self._amortize_witness((a, b), len(replacement), start, len(downstream), probe_tokens))
+
+    # -- staging -------------------------------------------------------------------------------
+
+    def stage(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Tentatively append ``tokens`` (e.g. a tool result) until commit() or rollback()."""
+        self._no_stage("stage")
+        before = (len(self), self.logits)
+        logits = self.extend(tokens)
+        self._staged = before
+        return logits
+
+    def commit(self) -> None:
+        """Keep the staged tokens."""
+        if self._staged is None:
+            raise StateError("commit() without a pending stage(); call stage(tokens) first")
+        self._staged = None
+
+    def rollback(self) -> None:
+        """Drop the staged tokens: the cache returns to the exact bytes it had before stage()."""
+        if self._staged is None:
+            raise StateError("rollback() without a pending stage(); call stage(tokens) first")
+        n, logits = self._staged
+        self._rewind(n)
+        self._logits = logits
+        self._staged = None
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _append(self, tokens: Sequence[int]) -> None:
+        start = len(self)
+        self._ensure(start + len(tokens))
+        hidden = self._tf.forward(self._kv, tokens, start)
+        self._tokens.extend(tokens)
+        self._logits = self._tf.logits(hidden[-1:])[0]
+
+    def _rewind(self, n: int) -> None:
+        """Drop rows from ``n`` on, zeroing them; the logits become undefined until an append."""
+        self._kv[:, :, :, n : len(self)] = 0
+        del self._tokens[n:]
+        self._logits = None
+
+    def _replace_tail(self, n: int, tail: Sequence[int]) -> None:
+        """Keep ``tokens[:n]``, then prefill ``tail``; with no tail, recompute token n-1's logits.
+
+        Recomputing the last kept token rewrites its K/V with identical bits (a row depends only
+        on its prefix), which is how the next-token logits are recovered without storing them.
+        """
+        tail = list(tail)
+        if not tail and n > 0:
+            n, tail = n - 1, [self._tokens[n - 1]]
+        self._rewind(n)
+        if tail:
+            self._append(tail)
+
+    def _place(self, start: int, raw: torch.Tensor, values: torch.Tensor) -> None:
+        """Write downstream rows at ``start``: raw keys and values as they were, keys rotated once."""
+        count = raw.shape[2]
+        self._ensure(start + count)
+        positions = torch.arange(start, start + count, device=raw.device)
+        self._kv[2, :, :, start : start + count] = raw
+        self._kv[1, :, :, start : start + count] = values
+        self._kv[0, :, :, start : start + count] = self._tf.rope(raw, positions)
+
+    def _ensure(self, n: int) -> None:
+        """Grow the buffer so that the attention keys of a tile ending past ``n`` exist (masked)."""
+        need = self._tf.key_length(n)
+        cap = self._kv.shape[3]
+        if need <= cap:
+            return
+        new_cap = max(need, 2 * cap)
+        grown = self._kv.new_zeros(*self._kv.shape[:3], new_cap, self._kv.shape[4])
+        grown[:, :, :, : len(self)] = self._kv[:, :, :, : len(self)]
+        self._kv = grown
+
+    @contextmanager
+    def _atomic(self, start: int) -> Iterator[None]:
+        """Restore rows ``[start, len)``, tokens and logits if the body raises."""
+        saved_rows = self._kv[:, :, :, start : len(self)].clone()
+        saved_tokens = list(self._tokens)
+        saved_logits = self._logits
+        try:
+            yield
+        except BaseException:
+            self._kv[:, :, :, start:] = 0
+            self._kv[:, :, :, start : start + saved_rows.shape[3]] = saved_rows
+            self._tokens = saved_tokens
+            self._logits = saved_logits
+            raise
+
+    def _no_stage(self, op: str) -> None:
+        if self._staged is not None:
+            raise StateError(f"{op}() while a stage() is pending; commit() or rollback() first")
+
+    def _check_tokens(self, tokens: Sequence[int], *, extra: int) -> list[int]:
+        vocab = self._tf.shape.vocab
+        out = [int(t) for t in tokens]
+        bad = [t for t in out if not 0 <= t < vocab]
+        if bad:
+            raise KernelError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        limit = self._kernel.model.max_context
+        if len(self) + extra > limit:
+            raise KernelError(f"{len(self) + extra} tokens exceed the model context of {limit}; forget or truncate first")
+        return out
+
+    def _amortize_witness(self, span: tuple[int, int], replaced: int, start: int, count: int, probe: int) -> AmortizeWitness:
+        k = self._kernel
+        raw = self._kv[2, :, :, start : start + count]
+        rotated = self._kv[0, :, :, start : start + count]
+        positions = torch.arange(start, start + count, device=raw.device)
+        err32 = float((rotated - self._tf.rope(raw, positions)).abs().max()) if count else 0.0
+        cos, sin = rope_table(k.model.config, start + count, raw.shape[-1], dtype=torch.float64)
+        raw64 = raw.double().cpu()
+        half = raw64.shape[-1] // 2
+        fresh64 = raw64 * cos[start:] + torch.cat((-raw64[..., half:], raw64[..., :half]), -1) * sin[start:]
+        err64 = float((rotated.double().cpu() - fresh64).abs().max()) if count else 0.0
+        # fp32 RoPE rounds the angle p * inv_freq to ~p * 2^-24 rad; the key error scales with |k|.
+        tol64 = 8 * torch.finfo(torch.float32).eps * (start + count + 1) * (float(raw.abs().max()) if count else 0.0)
+        edited, reference = self._probe(probe)
+        return AmortizeWitness(
+            span=span,
+            replacement_tokens=replaced,
+            shift=replaced - (span[1] - span[0]),
+            positional_max_abs_err=err32,
+            positional_max_abs_err_f64=err64,
+            positional_ok=err32 == 0.0 and err64 <= tol64,
+            probe_positions=edited.shape[0],
+            model_identity=k.model.identity,
+            device=str(k.model.device),
+            dtype=str(k.model.dtype).removeprefix("torch."),
+            kernel_version=k.version,
+            tile=k.tile,
+            **divergence(edited, reference),
+        )
+
+    def _probe(self, probe: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits of this cache and of a never-saw prefill, on the next token and a probe.
+
+        The probe is teacher-forced with the reference's greedy continuation, so both caches
+        are scored on the same tokens. Works on copies; this cache is not changed.
+        """
+        if self._logits is None:
+            return torch.zeros(0, self._tf.shape.vocab), torch.zeros(0, self._tf.shape.vocab)
+        reference = self._kernel.prefill(self._tokens)
+        edited = self.clone()
+        assert reference._logits is not None
+        ref_rows, edit_rows = [reference._logits], [self._logits]
+        room = self._kernel.model.max_context - len(self)
+        for _ in range(max(0, min(probe, room))):
+            token = int(ref_rows[-1].argmax())
+            ref_rows.append(reference.extend([token]))
+            edit_rows.append(edited.extend([token]))
+        return torch.stack(edit_rows), torch.stack(ref_rows)
+
+
+def forget_witness(kernel: Kernel, edited: KVCache, spans: list[tuple[int, int]]) -> ForgetWitness:
+    """Compare ``edited`` with a fresh prefill of its tokens (the never-saw reference)."""
+    reference = kernel.prefill(edited._tokens)
+    n = len(edited)
+    deltas = (edited._kv[:, :, :, :n] - reference._kv[:, :, :, :n]).abs()
+    dk = float(deltas[[0, 2]].max()) if n else 0.0
+    dv = float(deltas[1].max()) if n else 0.0
+    if edited._logits is None or reference._logits is None:
+        dl, argmax_equal = 0.0, edited._logits is None and reference._logits is None
+    else:
+        dl = float((edited._logits - reference._logits).abs().max())
+        argmax_equal = int(edited._logits.argmax()) == int(reference._logits.argmax())
+    d_edit, d_ref = edited.digest(), reference.digest()
+    return ForgetWitness(
+        equal=dk == 0.0 and dv == 0.0 and dl == 0.0 and argmax_equal and d_edit == d_ref,
+        digest_edited=d_edit,
+        digest_reference=d_ref,
+        max_abs_dk=dk,
+        max_abs_dv=dv,
+        max_abs_dlogits=dl,
+        argmax_equal=argmax_equal,
+        survivors_sha256=tokens_sha256(edited._tokens),
+        tokens=n,
+        spans=spans,
+        model_identity=kernel.model.identity,
+        device=str(kernel.model.device),
+        dtype=str(kernel.model.dtype).removeprefix("torch."),
+        kernel_version=kernel.version,
+        tile=kernel.tile,
+    )
+
+
+def _check_spans(spans: Sequence[tuple[int, int]], length: int) -> list[tuple[int, int]]:
+    """Validate half-open spans: non-empty, in range, sorted and non-overlapping."""
+    out = [(int(a), int(b)) for a, b in spans]
+    if not out:
+        raise SpanError("no spans given; pass at least one (start, end) pair")
+    prev_end = 0
+    for a, b in out:
+        if not 0 <= a < b <= length:
+            raise SpanError(f"span [{a}, {b}) is empty or outside the cache [0, {length})")
+        if a < prev_end:
+            raise SpanError(f"span [{a}, {b}) overlaps or precedes the previous span ending at {prev_end}; pass sorted, disjoint spans")
+        prev_end = b
+    return out
+
+
+def _check_generation(cfg: GenerationConfig) -> None:
+    if cfg.max_new_tokens < 0 or cfg.temperature < 0 or not 0 < cfg.top_p <= 1:
+        raise KernelError(f"invalid generation config {cfg}: need max_new_tokens >= 0, temperature >= 0, 0 < top_p <= 1")
+
+
+def _sample(logits: torch.Tensor, cfg: GenerationConfig, gen: torch.Generator) -> int:
+    if cfg.temperature == 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.double().cpu() / cfg.temperature, dim=-1)
+    if cfg.top_p < 1:
+        sorted_p, order = probs.sort(descending=True)
+        keep = (sorted_p.cumsum(0) - sorted_p) < cfg.top_p
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+
+_SELF_TESTS: dict[tuple[str, ...], dict[str, Any]] = {}
+_SELF_TEST_LOCK = Lock()
+
+
+def _self_test(kernel: Kernel) -> dict[str, Any]:
+    """Check chunking invariance on this model and environment once per process; refuse if not.
+
+    Two cheap checks: every linear shape gives identical row bits for each block size used, and
+    a short sequence prefilled at once equals the same sequence in pieces and token by token.
+    """
+    m = kernel.model
+    key = (m.identity, str(m.device), str(m.dtype), str(kernel.tile), env_fingerprint()["sha256"])
+    with _SELF_TEST_LOCK:
+        if key in _SELF_TESTS:
+            return _SELF_TESTS[key]
+        failures = linear_row_invariance(kernel.transformer)
+        gen = torch.Generator().manual_seed(7)
+        n = kernel.tile + 6
+        tokens = torch.randint(0, kernel.transformer.shape.vocab, (n,), generator=gen).tolist()
+        whole = kernel.prefill(tokens)
+        pieces = kernel.prefill(tokens[:3])
+        pieces.extend(tokens[3 : kernel.tile + 2])
+        for t in tokens[kernel.tile + 2 :]:
+            pieces.extend([t])
+        if whole.digest() != pieces.digest():
+            failures.append("a sequence prefilled at once differs from the same sequence in pieces")
+        if failures:
+            raise ExactnessError(
+                "the canonical forward is not chunking-invariant in this environment "
+                f"({'; '.join(failures)}); unset MKL_CBWR / ATEN_CPU_CAPABILITY overrides and use the pinned torch build"
+            )
+        result = {"ok": True, "env": env_fingerprint(), "checked_tokens": n}
+        _SELF_TESTS[key] = result
+        log.info("kvkernel.self_test", ok=True, tile=kernel.tile, model=m.name)
+        return result
