@@ -39,7 +39,7 @@ from .errors import GatewayError
 from .logging import configure_logging
 from .metrics import Metrics
 from .service import Components, Gateway, Turn
-from .tenants import Principal, TenantStore
+from .tenants import AuditViewer, Principal, TenantStore
 
 log = structlog.get_logger(__name__)
 
@@ -359,7 +359,10 @@ def create_app(settings: Settings | None = None, *, model: Model | None = None) 
         record_bundle(state, f"admin:{p.user or p.tenant or '*'}")
         return {"bundle_hash": bundle}
 
-    app.include_router(make_router(lambda: state.audit, principal))
+    def audit_viewer(p: Principal = Depends(principal)) -> AuditViewer:
+        return p.audit_viewer()
+
+    app.include_router(make_router(lambda: state.audit, audit_viewer))
     return app
 
 

@@ -147,7 +147,8 @@ class Conversation:
         item = dict(self._plain[k]) if text is None else {"role": self._plain[k]["role"], "content": text}
         full = self._render([*self._plain[:k], item])
         if not full.startswith(before):
-            raise TemplateError("the chat template is not prefix-stable; Lethe needs one that renders message by message")
+            raise TemplateError("the chat template is not prefix-stable; Lethe needs one that renders "
+                                "message by message")
         return self.encode(full[len(before):])
 
     def message(self, k: int) -> RenderedMessage:

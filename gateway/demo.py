@@ -189,16 +189,18 @@ def local_gateway(settings: Settings, model: Any = None) -> Iterator[LocalGatewa
         thread.start()
         base = f"http://127.0.0.1:{s.port}"
         try:
-            _wait_ready(base)
+            _wait_ready(base, thread)
             yield LocalGateway(base, key, app)
         finally:
             server.should_exit = True
             thread.join(timeout=30)
 
 
-def _wait_ready(base: str, timeout_s: float = 600.0) -> None:
+def _wait_ready(base: str, server: threading.Thread, timeout_s: float = 600.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if not server.is_alive():
+            raise RuntimeError(f"the gateway at {base} exited during start-up; its log says why")
         try:
             response = httpx.get(base + "/readyz", timeout=2)
             if response.status_code == 200:

@@ -14,7 +14,8 @@ class Metrics:
         r = self.registry
         self.requests = Counter("lethe_requests_total", "HTTP requests", ["route", "status"], registry=r)
         self.latency = Histogram("lethe_request_seconds", "HTTP request latency", ["route"], registry=r)
-        self.gate_verdicts = Counter("lethe_gate_verdicts_total", "Gate verdicts on tool results", ["verdict"], registry=r)
+        self.gate_verdicts = Counter("lethe_gate_verdicts_total", "Gate verdicts on tool results", ["verdict"],
+                                     registry=r)
         self.actions = Counter("lethe_actions_total", "Policy actions applied", ["action"], registry=r)
         self.erasures = Counter("lethe_erasures_total", "Exact erasures", ["cause"], registry=r)
         self.erasure_seconds = Histogram("lethe_erasure_seconds", "Forget latency incl. witness", registry=r)

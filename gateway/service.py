@@ -272,7 +272,8 @@ class Gateway:
             if total > self.p.model.max_context:
                 raise GatewayError(400, "context_length_exceeded",
                                    f"session needs {total} tokens (cache {len(live.cache)} + prompt {len(prompt)} + "
-                                   f"max_tokens {max_new_tokens}) but the context window is {self.p.model.max_context}; "
+                                   f"max_tokens {max_new_tokens}) but the context window is "
+                                   f"{self.p.model.max_context}; "
                                    "lower max_tokens, forget segments or start a new session", param="max_tokens")
             self._compute(live.cache.stage, prompt)
             self.p.metrics.tokens.labels("prefill").inc(len(prompt))

@@ -44,9 +44,19 @@ class Principal:
     roles: tuple[str, ...] = field(default=())
     is_admin: bool = False
 
+    def audit_viewer(self) -> "AuditViewer":
+        """Only the global admin sees every tenant's audit records; a tenant admin sees its own."""
+        return AuditViewer(tenant=self.tenant or "", is_admin=self.is_admin and self.tenant is None)
+
     def policy_actor(self) -> dict[str, object]:
         roles = list(self.roles) + (["tenant_admin"] if self.is_admin and self.tenant else [])
         return {"tenant": self.tenant, "user": self.user, "roles": roles}
+
+
+@dataclass(frozen=True)
+class AuditViewer:
+    tenant: str
+    is_admin: bool
 
 
 class TenantError(ValueError):

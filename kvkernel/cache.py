@@ -34,7 +34,7 @@ import structlog
 import torch
 
 from kvkernel.errors import ExactnessError, KernelError, SpanError, StateError
-from kvkernel.forward import Transformer, linear_row_invariance, rope_table
+from kvkernel.forward import Transformer, linear_row_invariance, pin_threads, rope_table
 from kvkernel.model import Model
 from kvkernel.witness import AmortizeWitness, ForgetWitness, divergence, env_fingerprint, tokens_sha256
 
@@ -131,6 +131,7 @@ class KVCache:
         self._tokens: list[int] = []
         self._logits: torch.Tensor | None = None
         self._staged: tuple[int, torch.Tensor | None] | None = None
+        self._capture: dict[int, list[torch.Tensor]] | None = None  # set only inside stage_with_states
 
     # -- views ---------------------------------------------------------------------------------
 
@@ -191,6 +192,7 @@ class KVCache:
         other._kernel, other._tf = self._kernel, self._tf
         other._kv = self._kv.clone()
         other._tokens = list(self._tokens)
+        other._capture = None
         other._logits = None if self._logits is None else self._logits.clone()
         other._staged = None if self._staged is None else (self._staged[0], None if self._staged[1] is None else self._staged[1].clone())
         return other
@@ -318,6 +320,22 @@ class KVCache:
         self._staged = before
         return logits
 
+    def stage_with_states(self, tokens: Sequence[int], layers: Sequence[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """stage(), also returning the staged rows' residual states after each of ``layers``.
+
+        The gateway's injection probe reads what the model makes of a tool result while it is
+        still only staged; the K/V written are the same bytes as a plain stage()."""
+        bad = [layer for layer in layers if not 0 <= layer < self._kv.shape[1]]
+        if bad:
+            raise KernelError(f"layers {bad} out of range for a {self._kv.shape[1]}-layer model")
+        capture: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
+        self._capture = capture
+        try:
+            logits = self.stage(tokens)
+        finally:
+            self._capture = None
+        return logits, {layer: torch.cat(parts) for layer, parts in capture.items()}
+
     def commit(self) -> None:
         """Keep the staged tokens."""
         if self._staged is None:
@@ -338,7 +356,7 @@ class KVCache:
     def _append(self, tokens: Sequence[int]) -> None:
         start = len(self)
         self._ensure(start + len(tokens))
-        hidden = self._tf.forward(self._kv, tokens, start)
+        hidden = self._tf.forward(self._kv, tokens, start, self._capture)
         self._tokens.extend(tokens)
         self._logits = self._tf.logits(hidden[-1:])[0]
 
@@ -539,6 +557,7 @@ def _self_test(kernel: Kernel) -> dict[str, Any]:
     a short sequence prefilled at once equals the same sequence in pieces and token by token.
     """
     m = kernel.model
+    pin_threads(kernel.transformer.threads)
     key = (m.identity, str(m.device), str(m.dtype), str(kernel.tile), env_fingerprint()["sha256"])
     with _SELF_TEST_LOCK:
         if key in _SELF_TESTS:

@@ -27,6 +27,7 @@ the new rows. Nothing here is a debug mode: this is the only forward the kernel 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -100,6 +101,7 @@ class Transformer:
             if model.config.sliding_window < model.max_context:
                 raise ModelError("sliding-window attention is not supported; use a checkpoint with sliding_window=null")
         self.tile = tile
+        self.threads = pinned_threads()
         self.key_bucket = -(-KEY_BUCKET // tile) * tile
         self.shape = Shape.of(model.config)
         self.device, self.dtype = model.device, model.dtype
@@ -128,21 +130,26 @@ class Transformer:
     # -- public -------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, kv: torch.Tensor, tokens: Sequence[int], start: int) -> torch.Tensor:
+    def forward(self, kv: torch.Tensor, tokens: Sequence[int], start: int,
+                capture: dict[int, list[torch.Tensor]] | None = None) -> torch.Tensor:
         """Compute rows ``[start, start + len(tokens))``, writing their K/V into ``kv``.
 
         Rows ``[0, start)`` must already be in ``kv``; rows beyond the new ones must be finite
         (they are masked). Returns the final-norm hidden states of the new rows, ``[n, hidden]``.
+        ``capture`` maps layer indices to lists that receive the new rows' residual stream after
+        that layer (as HF's ``hidden_states[layer + 1]``); reading them changes no arithmetic.
         """
+        pin_threads(self.threads)
         out, off = [], 0
         for rows, m in block_plan(len(tokens)):
-            out.append(self._block(kv, tokens[off : off + rows], start + off, m))
+            out.append(self._block(kv, tokens[off : off + rows], start + off, m, capture))
             off += rows
         return torch.cat(out) if out else self.embed.new_zeros(0, self.shape.hidden)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits (float32) for each row of ``hidden``, always computed in blocks of LOGIT_ROWS."""
+        pin_threads(self.threads)
         rows = []
         for off in range(0, hidden.shape[0], LOGIT_ROWS):
             chunk = hidden[off : off + LOGIT_ROWS]
@@ -156,7 +163,8 @@ class Transformer:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _block(self, kv: torch.Tensor, tokens: Sequence[int], start: int, m: int) -> torch.Tensor:
+    def _block(self, kv: torch.Tensor, tokens: Sequence[int], start: int, m: int,
+               capture: dict[int, list[torch.Tensor]] | None = None) -> torch.Tensor:
         s = self.shape
         n = len(tokens)
         ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)
@@ -181,6 +189,8 @@ class Transformer:
             h = _rms_norm(x, layer.mlp_norm, s.eps)
             gate, up = F.linear(h, layer.w_gate_up).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer.w_down)
+            if capture is not None and li in capture:
+                capture[li].append(x[:n].clone())
         return _rms_norm(x[:n], self.final_norm, s.eps)
 
     def key_length(self, tile_end: int) -> int:
@@ -236,6 +246,22 @@ class Transformer:
             outs.append(F.scaled_dot_product_attention(qt[lo:hi], k, v, attn_mask=mask))
         o = torch.cat(outs).view(tiles, s.kv_heads, groups, t, s.head_dim).permute(0, 3, 1, 2, 4)
         return o.reshape(tiles * t, s.heads * s.head_dim)[offset : offset + n]
+
+
+def pinned_threads() -> int:
+    """The intra-op thread count the canonical forward runs with: this process's CPU allowance.
+
+    The thread count is part of the environment exactness depends on: on an Intel Xeon here, MKL
+    gives 4-row GEMMs other bits with 1 thread than with 2. So the count is fixed per process,
+    not read from whatever torch.set_num_threads() last set, and the self-test runs under it."""
+    override = os.environ.get("LETHE_KERNEL_THREADS")
+    return int(override) if override else max(1, len(os.sched_getaffinity(0)))
+
+
+def pin_threads(threads: int) -> None:
+    """Restore the pinned count if other code in the process changed it (e.g. a training script)."""
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 def rope_table(config: Any, positions: int, head_dim: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -304,6 +330,7 @@ def linear_row_invariance(transformer: Transformer, sizes: Sequence[int] = BLOCK
     (all layers share shapes); the LM head only ever runs at M = LOGIT_ROWS, so for it the check
     is that a row's logits do not depend on the other rows of the block.
     """
+    pin_threads(transformer.threads)
     gen = torch.Generator(device="cpu").manual_seed(1234)
     layer = transformer.layers[0]
     s = transformer.shape

@@ -88,7 +88,7 @@ def states(probe: InjectionProbe, real_model):
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.set_num_threads(1)
+    # no torch.set_num_threads here: the kernel pins its own count, but the process default is shared
     tok = AutoTokenizer.from_pretrained(MODEL_DIR)
     model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval().model
     model.layers = model.layers[: max(probe.layers) + 2]  # the last kept layer's output is normed; unused

@@ -31,3 +31,22 @@ def test_tiny_model_is_deterministic_and_self_tested():
     kernel = Kernel(a, tile=8)
     assert kernel.self_test["ok"] and kernel.self_test["env"]["torch"]
     kernel.close()
+
+
+def test_kernel_pins_its_thread_count(tiny_model):
+    """Exactness depends on the GEMM thread count; other code changing it must not break a cache."""
+    import torch
+
+    from kvkernel import Kernel
+
+    tokens = list(range(3, 40))
+    kernel = Kernel(tiny_model)
+    reference = kernel.prefill(tokens).digest()
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if kernel.transformer.threads != 1 else 2)
+        assert kernel.prefill(tokens).digest() == reference
+        assert torch.get_num_threads() == kernel.transformer.threads
+    finally:
+        torch.set_num_threads(saved)
+        kernel.close()
