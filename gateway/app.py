@@ -307,7 +307,7 @@ def create_app(settings: Settings | None = None, *, model: Model | None = None) 
 
     @app.get("/readyz")
     def readyz() -> JSONResponse:
-        if state.model is None:
+        if not state.ready.is_set() or state.model is None:
             body = {"status": "loading" if state.load_error is None else "failed", "error": state.load_error}
             return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
         return JSONResponse({"status": "ready", "model": state.model.name, "identity": state.model.identity,

@@ -93,6 +93,21 @@ class Action:
                 "audit_index": self.audit_index, "overhead_ms": round(self.overhead_ms, 3)}
 
 
+class Stopwatch:
+    """Adds up the time spent inside its `with` blocks."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._started = 0.0
+
+    def __enter__(self) -> "Stopwatch":
+        self._started = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds += time.perf_counter() - self._started
+
+
 @dataclass(frozen=True)
 class Verdict:
     """The gate's report, plus the hidden-state probe's score of the staged content when one runs.
@@ -422,17 +437,17 @@ class Gateway:
                                f"messages[{m.index}] tool result is {len(m.content)} bytes; the limit is "
                                f"{self.p.max_tool_result_bytes} (LETHE_MAX_TOOL_RESULT_BYTES)",
                                param=f"messages.{m.index}.content")
-        started = time.perf_counter()
+        own = Stopwatch()  # the gateway's own work: everything but model compute and its lock
         try:
-            report = self.p.gate.scan(m.content, tool=m.tool)
+            with own:
+                report = self.p.gate.scan(m.content, tool=m.tool)
         except Exception as exc:
             log.error("gate.failed", session=live.record.id, error=type(exc).__name__)
             raise unavailable("gate", exc) from exc
-        compute_started = time.perf_counter()
-        probe = self._stage_scored(live, conv, m)
-        compute = time.perf_counter() - compute_started
-        verdict = Verdict.of(report, probe, self.p.probe)
-        decision = self.p.policy.decide(self._decision_input(principal, live, m, verdict))
+        probe = self._stage_scored(live, conv, m, own)
+        with own:
+            verdict = Verdict.of(report, probe, self.p.probe)
+            decision = self.p.policy.decide(self._decision_input(principal, live, m, verdict))
         self.p.metrics.gate_verdicts.labels(verdict.label).inc()
         self.p.metrics.actions.labels(decision.action).inc()
         quarantined = decision.action == "quarantine"
@@ -440,13 +455,12 @@ class Gateway:
         tokens = m.tokens
         if quarantined:  # the content leaves exactly as it came; a stub takes its place
             tokens = conv.stub(m.index, reason)
-            compute_started = time.perf_counter()
             self._compute(live.cache.rollback)
             self._compute(live.cache.stage, tokens)
-            compute += time.perf_counter() - compute_started
         action = Action(m.index, None, m.tool, decision.action, decision.reasons, verdict.summary())
         try:
-            segment = self._record_admission(principal, live, m, tokens, verdict, decision, reason, action)
+            with own:
+                segment = self._record_admission(principal, live, m, tokens, verdict, decision, reason, action)
         except GatewayError:
             self._compute(live.cache.rollback)
             raise
@@ -456,7 +470,7 @@ class Gateway:
             raise unavailable("audit" if quarantined else "ledger", exc) from exc
         self._compute(live.cache.commit)
         action.segment_id = segment.id
-        overhead = time.perf_counter() - started - compute
+        overhead = own.seconds
         action.overhead_ms = overhead * 1e3
         self.p.metrics.overhead_seconds.observe(overhead)
         log.info("tool.admitted", session=live.record.id, segment=segment.id, tool=m.tool, action=decision.action,
@@ -464,16 +478,18 @@ class Gateway:
                  overhead_ms=round(overhead * 1e3, 3))
         return action, segment
 
-    def _stage_scored(self, live: LiveSession, conv: Conversation, m: RenderedMessage) -> float | None:
+    def _stage_scored(self, live: LiveSession, conv: Conversation, m: RenderedMessage,
+                      own: Stopwatch) -> float | None:
         """Stage the tool result; with a probe, score the residual states of its content tokens."""
         probe = self.p.probe
         if probe is None:
             self._compute(live.cache.stage, m.tokens)
             return None
         _, states = self._compute(live.cache.stage_with_states, m.tokens, probe.layers)
-        head, tail = conv.frame(m.index)
-        content = {layer: s[head:len(m.tokens) - tail].float().numpy() for layer, s in states.items()}
-        return probe.score(content)
+        with own:
+            head, tail = conv.frame(m.index)
+            content = {layer: s[head:len(m.tokens) - tail].float().numpy() for layer, s in states.items()}
+            return probe.score(content)
 
     def _decision_input(self, principal: Principal, live: LiveSession, m: RenderedMessage,
                         verdict: Verdict) -> dict[str, Any]:
