@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import shutil
 import socket
 import tempfile
@@ -115,6 +116,9 @@ def run_scenario(base_url: str, api_key: str, *, max_tokens: int = 8) -> DemoRep
             index = report.forget["audit_indices"][0]
         proof = http.get(f"/v1/audit/erasures/{index}/proof")
         proof.raise_for_status()
+    body = proof.json()["record"]["body"]
+    report.forget.setdefault("witness", body.get("witness"))
+    report.forget.setdefault("segments", [body.get("segment_id")])
     result = verify_erasure_proof(proof.json())
     report.proof_ok = result.ok
     report.proof_detail = "; ".join(result.errors) or f"record {index} included, signed, witness max|Δ|=0"
@@ -214,6 +218,7 @@ def _wait_ready(base: str, server: threading.Thread, timeout_s: float = 600.0) -
 
 
 def run_demo(settings: Settings, *, url: str | None, api_key: str | None, out: TextIO) -> bool:
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     if url is not None:
         if not api_key:
             raise SystemExit("--url needs --api-key (or LETHE_API_KEY)")
