@@ -118,7 +118,7 @@ def attach_model(state: AppState, model: Model) -> None:
         model=model, kernel=Kernel(model, tile=s.tile), ledger=state.ledger, audit=state.audit,
         policy=state.policy, gate=state.gate, metrics=state.metrics, probe=load_probe(s, model),
         salt_secret=secret_file(s.resolved("salt_secret_path", "salt.key")), witness_mode=s.witness_mode,
-        max_tool_result_bytes=s.max_tool_result_bytes, max_new_tokens=s.max_new_tokens, check_invariants=s.debug))
+        max_tool_result_bytes=s.max_tool_result_bytes, check_invariants=s.debug))
     state.ready.set()
     log.info("model.ready", model=model.name, identity=model.identity, device=str(model.device),
              dtype=str(model.dtype))

@@ -54,18 +54,19 @@ class PrefixCache:
     def __init__(self, capacity: int = 16) -> None:
         self._entries: dict[str, KVCache] = {}
         self._capacity = capacity
-        self.hits = 0
 
     @staticmethod
     def key(salt: str, tokens: tuple[int, ...]) -> str:
         return hashlib.sha256(salt.encode() + b"\0" + repr(tokens).encode()).hexdigest()
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
 
     def get(self, key: str) -> KVCache | None:
         cache = self._entries.pop(key, None)
         if cache is None:
             return None
         self._entries[key] = cache  # most recently used last
-        self.hits += 1
         return cache.clone()
 
     def put(self, key: str, cache: KVCache) -> None:
@@ -181,7 +182,6 @@ class Components:
     probe: InjectionProbe | None = None
     witness_mode: str = "full"
     max_tool_result_bytes: int = 256_000
-    max_new_tokens: int = 256
     check_invariants: bool = False  # debug and test builds: the ledger must tile the cache exactly
 
 

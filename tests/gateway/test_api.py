@@ -118,3 +118,22 @@ def test_erasure_rights_come_from_policy(live_gateway):
         sid = chat(alice, TOOL_TURN).headers["x-lethe-session"]
         denied = http.post(f"/v1/sessions/{sid}/forget", json={"span": [0, 1]})
         assert denied.status_code == 403 and "erasure denied by policy" in denied.json()["error"]["message"]
+
+
+def test_salted_system_prompt_cache_is_per_scope(live_gateway):
+    from gateway.service import PrefixCache
+
+    system = {"role": "system", "content": "You are the prefix-cache test assistant."}
+    other = live_gateway.new_key("rival2", user="eve")
+    with live_gateway.client() as alice, live_gateway.client(other) as eve:
+        first = chat(alice, [system, {"role": "user", "content": "hi"}]).headers["x-lethe-session"]
+        second = chat(alice, [system, {"role": "user", "content": "hello"}]).headers["x-lethe-session"]
+        third = chat(eve, [system, {"role": "user", "content": "hi"}]).headers["x-lethe-session"]
+        end = alice.get(f"/v1/sessions/{first}/segments").json()["segments"][0]["end"]
+    gw = live_gateway.state.gateway
+    prompt = tuple(gw.cache(first).tokens[:end])
+    assert tuple(gw.cache(second).tokens[:end]) == prompt == tuple(gw.cache(third).tokens[:end])
+    salt_alice, salt_eve = gw.session_salt(first), gw.session_salt(third)
+    assert salt_alice == gw.session_salt(second) != salt_eve
+    assert PrefixCache.key(salt_alice, prompt) in gw.prefixes and PrefixCache.key(salt_eve, prompt) in gw.prefixes
+    assert gw.cache(first) is not gw.cache(second)
