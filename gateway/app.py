@@ -332,7 +332,7 @@ def create_app(settings: Settings | None = None, *, model: Model | None = None) 
                                seed=req.seed, stop=req.stops)
         headers = {"x-lethe-session": turn.session.record.id,
                    "x-lethe-actions": ",".join(f"{a.message_index}:{a.action}" for a in turn.actions) or "none"}
-        completion = _Completion(gw, p, turn, cfg, req, state.model)  # type: ignore[arg-type]
+        completion = _Completion(gw, turn, cfg, req, state.model)  # type: ignore[arg-type]
         if req.stream:
             return StreamingResponse(completion.sse(), media_type="text/event-stream", headers=headers)
         body = await run_in_threadpool(completion.whole)
@@ -377,7 +377,6 @@ class _Completion:
     """One completion's generation, whole or as server-sent events, always ending in `finish`."""
 
     gw: Gateway
-    principal: Principal
     turn: Turn
     cfg: GenerationConfig
     req: ChatRequest
@@ -403,7 +402,7 @@ class _Completion:
         self.completion_tokens = count
 
     def _finish(self) -> dict[str, Any]:
-        erasures = self.gw.finish(self.principal, self.turn)
+        erasures = self.gw.finish(self.turn)
         return {"session_id": self.turn.session.record.id, "actions": [a.to_dict() for a in self.turn.actions],
                 "erasures": erasures}
 

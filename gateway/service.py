@@ -166,7 +166,6 @@ class Turn:
     actions: list[Action]
     pending: list[PostTurn]
     prompt_tokens: int
-    created: bool
 
 
 @dataclass
@@ -274,12 +273,12 @@ class Gateway:
         Returns with the session lock held; `finish` releases it, and must run even when the
         client goes away, since it applies the turn's pending erasures.
         """
-        live, created = self.open_session(principal, session_id)
+        live, _ = self.open_session(principal, session_id)
         live.lock.acquire()
+        pending: list[PostTurn] = []
         try:
             conv = Conversation(self.p.model.tokenizer, messages)
             actions: list[Action] = []
-            pending: list[PostTurn] = []
             first_new = self._reconcile(live, conv)
             self._admit(principal, live, conv, first_new, actions, pending)
             prompt = conv.generation_prompt()
@@ -292,9 +291,12 @@ class Gateway:
                                    "lower max_tokens, forget segments or start a new session", param="max_tokens")
             self._compute(live.cache.stage, prompt)
             self.p.metrics.tokens.labels("prefill").inc(len(prompt))
-            return Turn(live, actions, pending, len(live.cache), created)
+            return Turn(live, actions, pending, len(live.cache))
         except BaseException:
-            live.lock.release()
+            try:  # what was admitted for this turn only is erased even though the turn failed
+                self._post_turn(live, pending)
+            finally:
+                live.lock.release()
             raise
 
     def generate(self, turn: Turn, cfg: GenerationConfig) -> Iterator[int]:
@@ -313,25 +315,32 @@ class Gateway:
         if count and elapsed > 0:
             self.p.metrics.tokens_per_second.set(count / elapsed)
 
-    def finish(self, principal: Principal, turn: Turn) -> list[dict[str, Any]]:
+    def finish(self, turn: Turn) -> list[dict[str, Any]]:
         """Drop the generation (the client sends the reply back next turn) and run post-turn actions."""
         live = turn.session
         try:
             self._compute(live.cache.rollback)
-            erasures: list[dict[str, Any]] = []
-            forget = [p for p in turn.pending if p.action.action == "forget"]
-            if forget:
-                erasures.append(self._forget(live, [p.segment for p in forget], kind="forget", actor="policy",
-                                             decisions={p.segment.id: p.action for p in forget}))
-            for post in turn.pending:
-                if post.action.action == "amortize":
-                    erasures.append(self._amortize(live, post))
+            erasures = self._post_turn(live, turn.pending)
             self.p.metrics.kv_bytes.set(self.kv_bytes())
             if self.p.check_invariants:
                 self.p.ledger.check_invariants(live.record.id, cache_len=len(live.cache))
             return erasures
         finally:
             live.lock.release()
+
+    def _post_turn(self, live: LiveSession, pending: list[PostTurn]) -> list[dict[str, Any]]:
+        """Forget (exactly) or amortize what the policy admitted for this turn only."""
+        if live.cache.staged:
+            self._compute(live.cache.rollback)
+        erasures: list[dict[str, Any]] = []
+        forget = [p for p in pending if p.action.action == "forget"]
+        if forget:
+            erasures.append(self._forget(live, [p.segment for p in forget], kind="forget", actor="policy",
+                                         decisions={p.segment.id: p.action for p in forget}))
+        for post in pending:
+            if post.action.action == "amortize":
+                erasures.append(self._amortize(live, post))
+        return erasures
 
     # ---- reconciliation ---------------------------------------------------------------------
 
