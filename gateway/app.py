@@ -170,19 +170,22 @@ class Guard:
             await send(message)
 
         try:
+            too_large = GatewayError(413, "body_too_large",
+                                     f"request body exceeds {self.max_body} bytes (LETHE_MAX_BODY_BYTES)")
             if int(headers.get(b"content-length", b"0") or 0) > self.max_body:
-                return await self._refuse(send_with_id, GatewayError(
-                    413, "body_too_large", f"request body exceeds {self.max_body} bytes (LETHE_MAX_BODY_BYTES)"))
+                return await self._refuse(send_with_id, too_large)
+            if b"content-length" not in headers:  # chunked: read it here, up to the limit
+                body = await self._read_limited(receive)
+                if body is None:
+                    return await self._refuse(send_with_id, too_large)
+                receive = _replay(body)
             heavy = route == "/v1/chat/completions"
             if heavy and self.inflight >= self.max_inflight:
                 return await self._refuse(send_with_id, GatewayError(
                     503, "overloaded", f"{self.inflight} requests in flight; retry later", retry_after=1))
             self.inflight += heavy
             try:
-                await self.app(scope, self._limited(receive), send_with_id)
-            except _BodyTooLarge:
-                await self._refuse(send_with_id, GatewayError(
-                    413, "body_too_large", f"request body exceeds {self.max_body} bytes (LETHE_MAX_BODY_BYTES)"))
+                await self.app(scope, receive, send_with_id)
             finally:
                 self.inflight -= heavy
         finally:
@@ -193,17 +196,19 @@ class Guard:
             log.info("http.request", method=scope["method"], path=route, status=status, ms=round(elapsed * 1e3, 2))
             structlog.contextvars.unbind_contextvars("request_id")
 
-    def _limited(self, receive: Receive) -> Receive:
-        seen = 0
-
-        async def wrapped() -> Message:
-            nonlocal seen
+    async def _read_limited(self, receive: Receive) -> bytes | None:
+        """The whole body, or None once it passes the limit."""
+        chunks, size, more = [], 0, True
+        while more:
             message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_body:
-                raise _BodyTooLarge
-            return message
-        return wrapped
+            if message["type"] == "http.disconnect":
+                break
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body:
+                return None
+            more = message.get("more_body", False)
+        return b"".join(chunks)
 
     @staticmethod
     async def _refuse(send: Send, err: GatewayError) -> None:
@@ -211,8 +216,16 @@ class Guard:
             {"type": "http", "method": "GET", "path": "/", "headers": []}, _no_body, send)
 
 
-class _BodyTooLarge(Exception):
-    pass
+def _replay(body: bytes) -> Receive:
+    sent = False
+
+    async def receive() -> Message:
+        nonlocal sent
+        if sent:
+            return {"type": "http.disconnect"}
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+    return receive
 
 
 async def _no_body() -> Message:

@@ -54,6 +54,9 @@ def test_huge_body_and_huge_tool_result(live_gateway):
     with live_gateway.client() as http:
         huge = chat(http, [{"role": "user", "content": "x" * 400_000}])
         assert huge.status_code == 413 and "LETHE_MAX_BODY_BYTES" in huge.json()["error"]["message"]
+        chunked = http.post("/v1/chat/completions", headers={"Content-Type": "application/json"},
+                            content=(b"x" * 50_000 for _ in range(8)))  # no Content-Length: streamed
+        assert chunked.status_code == 413
         big_tool = [*TOOL_TURN[:2], {"role": "tool", "tool_call_id": "c1", "content": "y" * 70_000}]
         response = chat(http, big_tool)
         assert response.status_code == 413 and response.json()["error"]["param"] == "messages.2.content"
