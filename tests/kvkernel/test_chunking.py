@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvkernel.forward import BLOCK_SIZES, block_plan
+from kvkernel.forward import block_plan
 
 
 @st.composite
