@@ -127,6 +127,7 @@ class Conversation:
         self.messages = messages
         self._plain = [{"role": m.role, "content": model_text(m.text)} for m in messages]
         self._prefix: dict[int, str] = {0: ""}
+        self._chunks: dict[int, tuple[int, ...]] = {}
         self._names = _tool_names(messages)
 
     def _render(self, plain: list[dict[str, str]], generation: bool = False) -> str:
@@ -143,9 +144,15 @@ class Conversation:
         return tuple(self._tok.encode(text, add_special_tokens=False))
 
     def chunk(self, k: int, text: str | None = None) -> tuple[int, ...]:
-        before = self._prefix_text(k)
-        item = dict(self._plain[k]) if text is None else {"role": self._plain[k]["role"], "content": text}
-        full = self._render([*self._plain[:k], item])
+        """Message k's tokens; each prefix of the conversation is rendered once per request."""
+        if text is None:
+            if k not in self._chunks:
+                self._chunks[k] = self._cut(self._prefix_text(k), self._prefix_text(k + 1))
+            return self._chunks[k]
+        item = {"role": self._plain[k]["role"], "content": text}
+        return self._cut(self._prefix_text(k), self._render([*self._plain[:k], item]))
+
+    def _cut(self, before: str, full: str) -> tuple[int, ...]:
         if not full.startswith(before):
             raise TemplateError("the chat template is not prefix-stable; Lethe needs one that renders "
                                 "message by message")

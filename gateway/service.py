@@ -215,23 +215,19 @@ class Gateway:
         """The caller's session (404 for an unknown id or another tenant's), or a new one."""
         if principal.tenant is None:
             raise GatewayError(403, "tenant_required", "chat needs a tenant key; the global admin key has no tenant")
+        if session_id is None:
+            session_id = "ses_" + secrets.token_hex(12)
+            record = self.p.ledger.create_session(session_id, principal.tenant, principal.user,
+                                                  salt_scope=self._salt(principal))
+            return self._resident(record), True
         with self._sessions_lock:
-            if session_id is None:
-                session_id = "ses_" + secrets.token_hex(12)
-                record = self.p.ledger.create_session(session_id, principal.tenant, principal.user,
-                                                      salt_scope=self._salt(principal))
-                live = LiveSession(record, self.p.kernel.new_cache())
-                self._sessions[session_id] = live
-                return live, True
             live = self._sessions.get(session_id)
-            if live is not None and live.record.tenant == principal.tenant:
-                return live, False
-            record = self.p.ledger.get_session(session_id, principal.tenant)
-            if record is None:
-                raise not_found("session", session_id)
-            live = LiveSession(record, self.p.kernel.new_cache())
-            self._sessions[session_id] = live
+        if live is not None and live.record.tenant == principal.tenant:
             return live, False
+        record = self.p.ledger.get_session(session_id, principal.tenant)
+        if record is None:
+            raise not_found("session", session_id)
+        return self._resident(record), False
 
     def scoped_session(self, principal: Principal, session_id: str) -> SessionRecord:
         record = self.p.ledger.get_session(session_id, None if principal.is_admin and principal.tenant is None
