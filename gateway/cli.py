@@ -15,7 +15,7 @@ from .logging import configure_logging
 app = typer.Typer(help="Lethe: a security and governance gateway for LLM agents.", no_args_is_help=True)
 tenant_app = typer.Typer(help="Tenants.", no_args_is_help=True)
 key_app = typer.Typer(help="API keys (stored hashed; shown once).", no_args_is_help=True)
-bench_app = typer.Typer(help="Benchmarks; each prints one JSON object.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks; readable by default, one JSON object with --json.", no_args_is_help=True)
 gate_app = typer.Typer(help="The byte-gate.", no_args_is_help=True)
 policy_app = typer.Typer(help="Rego policies.", no_args_is_help=True)
 audit_app = typer.Typer(help="The signed audit log.", no_args_is_help=True)
@@ -32,6 +32,24 @@ def _settings() -> Settings:
 
 def _emit(obj: Any) -> None:
     typer.echo(json.dumps(obj, indent=2, sort_keys=True, default=str))
+
+
+JsonFlag = Annotated[bool, typer.Option("--json", help="print one JSON object (for scripts and CI)")]
+
+
+def _report(obj: dict[str, Any], json_out: bool) -> None:
+    """A benchmark's result: one JSON object with --json, else one ``dotted.key: value`` per line."""
+    if json_out:
+        typer.echo(json.dumps(obj, sort_keys=True, default=str))
+        return
+    for key, value in _flatten(obj):
+        typer.echo(f"{key}: {value}")
+
+
+def _flatten(obj: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(obj, dict) and obj:
+        return [item for k, v in obj.items() for item in _flatten(v, f"{prefix}{k}.")]
+    return [(prefix.rstrip("."), obj)]
 
 
 @app.command()
@@ -99,43 +117,44 @@ def key_create(tenant: Annotated[Optional[str], typer.Option(help="the key's ten
 # ---- benchmarks -----------------------------------------------------------------------------
 
 @bench_app.command("kernel")
-def bench_kernel(context: int = 2000, span: int = 300, decode_tokens: int = 16) -> None:
+def bench_kernel(context: int = 2000, span: int = 300, decode_tokens: int = 32, json_out: JsonFlag = False) -> None:
     """Exact kernel vs plain transformers on the real model: prefill, decode, forget, amortize, witness."""
     from kvkernel import load_model
     from kvkernel.bench import run_kernel_bench
 
     s = _settings()
     model = load_model(s.model, cache_dir=s.resolved("model_cache_dir", "models"), device=s.device, dtype=s.dtype)
-    _emit(run_kernel_bench(model, context=context, span=span, decode_tokens=decode_tokens))
+    _report(run_kernel_bench(model, context=context, span=span, decode_tokens=decode_tokens), json_out)
 
 
 @bench_app.command("gate")
-def bench_gate(megabytes: int = 10) -> None:
+def bench_gate(megabytes: int = 10, json_out: JsonFlag = False) -> None:
     """Rules-layer MB/s, learned-layer throughput, p50/p99 latency at 4 KB and 64 KB."""
     from gate.bench import run_gate_bench
 
-    _emit(run_gate_bench(megabytes=megabytes))
+    _report(run_gate_bench(megabytes=megabytes), json_out)
 
 
 @bench_app.command("policy")
-def bench_policy(iterations: int = 5000, opa_url: Annotated[Optional[str], typer.Option()] = None) -> None:
+def bench_policy(iterations: int = 5000, opa_url: Annotated[Optional[str], typer.Option()] = None,
+                 json_out: JsonFlag = False) -> None:
     """p50/p99 decision latency, embedded engine (and an OPA server when --opa-url answers)."""
     from policies.bench import run_policy_bench
 
-    _emit(run_policy_bench(iterations=iterations, opa_url=opa_url))
+    _report(run_policy_bench(iterations=iterations, opa_url=opa_url), json_out)
 
 
 @bench_app.command("audit")
 def bench_audit(records: int = 1_000_000, postgres_url: Annotated[Optional[str], typer.Option()] = None,
-                sqlite_path: Annotated[Optional[Path], typer.Option()] = None) -> None:
+                sqlite_path: Annotated[Optional[Path], typer.Option()] = None, json_out: JsonFlag = False) -> None:
     """Appends/s on SQLite (and PostgreSQL), proof generation + verification at 10^6 records."""
     from audit.bench import run_audit_bench
 
-    _emit(run_audit_bench(sqlite_path=sqlite_path, postgres_url=postgres_url, records=records))
+    _report(run_audit_bench(sqlite_path=sqlite_path, postgres_url=postgres_url, records=records), json_out)
 
 
 @bench_app.command("gateway")
-def bench_gateway(sessions: int = 8, turns: int = 20) -> None:
+def bench_gateway(sessions: int = 8, turns: int = 20, json_out: JsonFlag = False) -> None:
     """A bounded load run on loopback; gateway overhead per tool result, model compute excluded."""
     from .demo import local_gateway
     from .loadtest import run_load
@@ -143,7 +162,7 @@ def bench_gateway(sessions: int = 8, turns: int = 20) -> None:
     with local_gateway(_settings()) as gw:
         result = run_load(gw.base, gw.key, sessions=sessions, turns=turns)
         result["audit_verified"] = _verify_live_audit(gw.app.state.lethe.audit)
-    _emit(result)
+    _report(result, json_out)
 
 
 def _verify_live_audit(log: Any) -> bool:
@@ -170,7 +189,7 @@ def gate_scan(path: Path) -> None:
 
 @gate_app.command("eval")
 def gate_eval(data: Annotated[Path, typer.Option(help="JSONL of {text, label}")],
-              json_out: Annotated[bool, typer.Option("--json", help="print JSON")] = False) -> None:
+              json_out: JsonFlag = False) -> None:
     """Precision, recall, FPR, recall at 1% FPR, ROC AUC and throughput per label."""
     from gate.evaluate import evaluate_jsonl
 

@@ -34,7 +34,7 @@ import structlog
 import torch
 
 from kvkernel.errors import ExactnessError, KernelError, SpanError, StateError
-from kvkernel.forward import Transformer, linear_row_invariance, pin_threads, rope_table
+from kvkernel.forward import Transformer, attention_row_invariance, linear_row_invariance, pin_threads, rope_table
 from kvkernel.model import Model
 from kvkernel.witness import AmortizeWitness, ForgetWitness, divergence, env_fingerprint, tokens_sha256
 
@@ -553,8 +553,9 @@ _SELF_TEST_LOCK = Lock()
 def _self_test(kernel: Kernel) -> dict[str, Any]:
     """Check chunking invariance on this model and environment once per process; refuse if not.
 
-    Two cheap checks: every linear shape gives identical row bits for each block size used, and
-    a short sequence prefilled at once equals the same sequence in pieces and token by token.
+    Three cheap checks: every linear shape gives identical row bits for each block size used,
+    rows attending alone equal the same rows in a whole tile, and a short sequence prefilled at
+    once equals the same sequence in pieces and token by token.
     """
     m = kernel.model
     pin_threads(kernel.transformer.threads)
@@ -562,7 +563,7 @@ def _self_test(kernel: Kernel) -> dict[str, Any]:
     with _SELF_TEST_LOCK:
         if key in _SELF_TESTS:
             return _SELF_TESTS[key]
-        failures = linear_row_invariance(kernel.transformer)
+        failures = linear_row_invariance(kernel.transformer) + attention_row_invariance(kernel.transformer)
         gen = torch.Generator().manual_seed(7)
         n = kernel.tile + 6
         tokens = torch.randint(0, kernel.transformer.shape.vocab, (n,), generator=gen).tolist()

@@ -5,19 +5,23 @@ and decoding token by token differs again, because CPU matmul and SDPA results d
 shapes of the call. Exact forget needs the K, V and logits at position p to be a pure function of
 ``tokens[0..p]``. This module makes every shape that can influence a row's bits canonical:
 
+* **Linear layers** run on row blocks whose row count M is drawn from a fixed set
+  (:func:`block_plan`). Measured here (MKL SGEMM, 2 threads), a row's result never depends on the
+  other rows' content, and it is the same for every M the plan uses: blocks of up to 16 rows
+  compute ``(W x^T)^T`` (the weight as the GEMM's left operand), which gives the M = 512 bits for
+  every M >= 2, where ``F.linear`` differs below 16; larger blocks use ``F.linear``, which gives
+  the same bits there, except in the MLP's down projection at M = 57..192, which runs in pieces
+  of at most 48 rows. So a decode step runs at M = 2 (one real row, one pad row), not a 16-row
+  tile. :func:`linear_row_invariance` re-checks every M the plan can produce at start-up.
 * **Attention** runs per tile of ``T`` query positions aligned to position 0, always with exactly
   ``T`` query rows (pad rows after the real ones) against keys ``[0, L)`` with an explicit causal
-  mask, where ``L`` is the tile's end rounded up to ``KEY_BUCKET``. A row's attention therefore
-  sees the same call shape whether it arrived in a 2,000-token prefill, in a 7-token piece or
-  alone in a decode step. Tiles sharing ``L`` run as one batched call (same bits, fewer calls).
-* **Linear layers** run on row blocks whose padded row count M is drawn from a fixed set
-  (:func:`block_plan`). Measured here (MKL SGEMM, 2 threads): a row's result does not depend on
-  the other rows' content, and is identical for M = 16, 32, 48 and every multiple of 16 in
-  208..512, but not for M < 16 or M = 60..192 (the MLP's down projection changes code path).
-  :func:`linear_row_invariance` re-checks the shapes used at start-up.
-* **Logits** always come from a 4-row block, whatever the caller needs. For up to 4 new rows
-  (decode) the q/k/v and output projections also run at M = 4, which gives the same row bits as
-  M >= 16 for those shapes (but not for the MLP, which stays at M >= 16).
+  mask, where ``L`` is the tile's end rounded up to ``KEY_BUCKET``. Tiles sharing ``L`` run as one
+  batched call (same bits, fewer calls). A query row's result depends on the call's key length,
+  not on how many query rows share the call, as long as the call's query blocks hold at least 3
+  rows (CPU flash attention splits queries in blocks of 32). So a few new rows (decode, small
+  appends) attend alone, at the same key length, in one call of ``max(3, rows)`` query rows;
+  :func:`attention_row_invariance` re-checks that at start-up.
+* **Logits** of a row are always computed from that row alone (M = 1).
 * **RoPE** reads a per-position cos/sin table (elementwise, so per-position exact) and rotates the
   pre-RoPE key once at its absolute position; a key is never rotated twice.
 
@@ -28,8 +32,9 @@ the new rows. Nothing here is a debug mode: this is the only forward the kernel 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -38,13 +43,15 @@ import torch.nn.functional as F
 from kvkernel.errors import ModelError
 from kvkernel.model import Model
 
-LOGIT_ROWS = 4  # logits are always computed from a block of exactly this many rows
-DECODE_PROJ_ROWS = 4  # q/k/v and o projections of <= 4 new rows run at M = 4 (row-invariant there)
-SMALL_BLOCK = 48  # small work runs in blocks of 16, 32 or 48 rows
-MIN_BIG_BLOCK = 208  # bulk work runs in blocks of 208..256 rows
+MIN_ROWS = 2  # a GEMM of one row takes another code path (GEMV); single rows get a pad row
+SMALL_BLOCK = 16  # up to this many rows run unpadded (M = rows, at least MIN_ROWS)
+MID_BLOCK = 192  # 17..192 rows pad to a multiple of 16
+DOWN_PIECE = 48  # ...and the down projection runs M = 57..192 in pieces of at most this many rows
+MIN_BIG_BLOCK = 208  # bulk work runs in blocks of 208..512 rows
 MAX_ROWS = 512
+ATTENTION_ROWS = 32  # a call with at most this many query rows is one flash-attention query block
+MIN_ATTENTION_ROWS = 3  # ...and needs at least this many for its rows to match a full tile's
 KEY_BUCKET = 128  # attention key lengths are rounded up to a multiple of this (and of the tile)
-BLOCK_SIZES = (16, 32, 48, 208, 224, 256, 384, 512)  # checked at start-up; 208..512 step 16 all scanned
 
 
 @dataclass(frozen=True)
@@ -76,15 +83,15 @@ class Shape:
 
 @dataclass
 class Layer:
-    """One decoder layer's weights, with q/k/v and gate/up fused so each is a single GEMM."""
+    """One decoder layer's weights (``[out, in]``), with q/k/v and gate/up fused so each is one GEMM."""
 
     attn_norm: torch.Tensor
-    w_qkv: torch.Tensor
-    b_qkv: torch.Tensor | None
-    w_o: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
     mlp_norm: torch.Tensor
-    w_gate_up: torch.Tensor
-    w_down: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
 
 
 class Transformer:
@@ -119,12 +126,12 @@ class Transformer:
         biases = [w.get(f"{p}self_attn.{n}_proj.bias") for n in "qkv"]
         return Layer(
             attn_norm=w[p + "input_layernorm.weight"],
-            w_qkv=torch.cat([w[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"]),
-            b_qkv=torch.cat(biases) if all(b is not None for b in biases) else None,  # type: ignore[misc]
-            w_o=w[p + "self_attn.o_proj.weight"],
+            qkv=torch.cat([w[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"]),
+            qkv_bias=torch.cat(biases) if all(b is not None for b in biases) else None,  # type: ignore[misc]
+            o=w[p + "self_attn.o_proj.weight"],
             mlp_norm=w[p + "post_attention_layernorm.weight"],
-            w_gate_up=torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
-            w_down=w[p + "mlp.down_proj.weight"],
+            gate_up=torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
+            down=w[p + "mlp.down_proj.weight"],
         )
 
     # -- public -------------------------------------------------------------------------------
@@ -148,14 +155,14 @@ class Transformer:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits (float32) for each row of ``hidden``, always computed in blocks of LOGIT_ROWS."""
+        """Logits (float32) for each row of ``hidden``, each row computed alone (M = 1).
+
+        One row at a time is the one shape that needs no invariance argument, and the kernel only
+        ever needs the last row's logits.
+        """
         pin_threads(self.threads)
-        rows = []
-        for off in range(0, hidden.shape[0], LOGIT_ROWS):
-            chunk = hidden[off : off + LOGIT_ROWS]
-            block = _pad_rows(chunk, LOGIT_ROWS)
-            rows.append(F.linear(block, self.lm_head)[: chunk.shape[0]])
-        return torch.cat(rows).float()
+        rows = [F.linear(hidden[i : i + 1], self.lm_head) for i in range(hidden.shape[0])]
+        return torch.cat(rows).float() if rows else hidden.new_zeros(0, self.shape.vocab)
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` [..., n, head_dim] to ``positions`` [n] (HF's rotate-half convention)."""
@@ -171,12 +178,12 @@ class Transformer:
         x = _pad_rows(self.embed[ids], m)
         pos = torch.arange(start, start + n, device=self.device)
         cos, sin = self.cos[pos], self.sin[pos]
-        plan = self._attention_plan(start, n)
+        attend = self._attention_for(start, n)
         q_dim, kv_dim = s.heads * s.head_dim, s.kv_heads * s.head_dim
-        mp = DECODE_PROJ_ROWS if n <= DECODE_PROJ_ROWS else m
         for li, layer in enumerate(self.layers):
-            h = _rms_norm(x[:mp], layer.attn_norm, s.eps)
-            qkv = F.linear(h, layer.w_qkv, layer.b_qkv)
+            qkv = _linear(_rms_norm(x, layer.attn_norm, s.eps), layer.qkv)
+            if layer.qkv_bias is not None:
+                qkv = qkv + layer.qkv_bias
             q = qkv[:n, :q_dim].view(n, s.heads, s.head_dim).transpose(0, 1)
             k = qkv[:n, q_dim : q_dim + kv_dim].view(n, s.kv_heads, s.head_dim).transpose(0, 1)
             v = qkv[:n, q_dim + kv_dim :].view(n, s.kv_heads, s.head_dim).transpose(0, 1)
@@ -184,11 +191,10 @@ class Transformer:
             kv[0, li, :, rows] = _rotate(k, cos, sin)
             kv[1, li, :, rows] = v
             kv[2, li, :, rows] = k
-            attn = self._attention(kv[0, li], kv[1, li], _rotate(q, cos, sin).transpose(0, 1), start, plan)
-            x = x + _pad_rows(F.linear(_pad_rows(attn, mp), layer.w_o), m)
-            h = _rms_norm(x, layer.mlp_norm, s.eps)
-            gate, up = F.linear(h, layer.w_gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.w_down)
+            attn = attend(kv[0, li], kv[1, li], _rotate(q, cos, sin).transpose(0, 1))
+            x = x + _linear(_pad_rows(attn, m), layer.o)
+            gate, up = _linear(_rms_norm(x, layer.mlp_norm, s.eps), layer.gate_up).chunk(2, dim=-1)
+            x = x + _down(F.silu(gate) * up, layer.down)
             if capture is not None and li in capture:
                 capture[li].append(x[:n].clone())
         return _rms_norm(x[:n], self.final_norm, s.eps)
@@ -200,6 +206,42 @@ class Transformer:
         SDPA call (bit-identical to running them one by one, and ~6x faster on CPU).
         """
         return -(-tile_end // self.key_bucket) * self.key_bucket
+
+    def _attention_for(self, start: int, n: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+        """Choose the attention layout for rows ``[start, start+n)``; built once, used by every layer.
+
+        A few rows that share a key length attend alone (decode, small appends); anything else
+        runs in whole tiles. Both give a row the same bits (see the module docstring).
+        """
+        t = self.tile
+        groups = self.shape.heads // self.shape.kv_heads
+        length = self.key_length(start // t * t + t)
+        if groups * n <= ATTENTION_ROWS and self.key_length((start + n - 1) // t * t + t) == length:
+            return partial(self._attend_rows, mask=self._row_mask(start, n, length))
+        return partial(self._attend_tiles, start=start, plan=self._attention_plan(start, n))
+
+    def _row_mask(self, start: int, n: int, length: int) -> torch.Tensor:
+        """Causal mask ``[1, 1, rows, length]`` for query rows ordered (group, position).
+
+        Pad rows (up to MIN_ATTENTION_ROWS) sit at position 0, so they stay finite.
+        """
+        groups = self.shape.heads // self.shape.kv_heads
+        pos = torch.zeros(max(MIN_ATTENTION_ROWS, groups * n), dtype=torch.long, device=self.device)
+        pos[: groups * n] = torch.arange(start, start + n, device=self.device).repeat(groups)
+        blocked = torch.arange(length, device=self.device)[None, :] > pos[:, None]
+        return torch.zeros(blocked.shape, device=self.device, dtype=self.dtype).masked_fill_(blocked, float("-inf"))[None, None]
+
+    def _attend_rows(self, keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor, *, mask: torch.Tensor) -> torch.Tensor:
+        """Attention of a few query rows ``q`` [n, heads, head_dim] in one call of the tiles' key length."""
+        s = self.shape
+        n = q.shape[0]
+        groups = s.heads // s.kv_heads
+        rows, length = mask.shape[-2:]
+        qr = q.view(n, s.kv_heads, groups, s.head_dim).permute(1, 2, 0, 3).reshape(s.kv_heads, groups * n, s.head_dim)
+        if rows > groups * n:
+            qr = torch.cat([qr, qr.new_zeros(s.kv_heads, rows - groups * n, s.head_dim)], dim=1)
+        o = F.scaled_dot_product_attention(qr[None], keys[None, :, :length], values[None, :, :length], attn_mask=mask)
+        return o[0, :, : groups * n].reshape(s.kv_heads, groups, n, s.head_dim).permute(2, 0, 1, 3).reshape(n, s.heads * s.head_dim)
 
     def _attention_plan(self, start: int, n: int) -> list[tuple[int, int, int, torch.Tensor]]:
         """(first tile, last tile + 1, key length, additive mask) per batched attention call.
@@ -224,7 +266,7 @@ class Transformer:
             lo = hi
         return plan
 
-    def _attention(self, keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor, start: int, plan: list[tuple[int, int, int, torch.Tensor]]) -> torch.Tensor:
+    def _attend_tiles(self, keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor, *, start: int, plan: list[tuple[int, int, int, torch.Tensor]]) -> torch.Tensor:
         """Attention of query rows at ``[start, start+n)``, in canonical tiles.
 
         ``keys``/``values`` are one layer's ``[kv_heads, capacity, head_dim]`` cache slices, with
@@ -282,23 +324,46 @@ def rope_table(config: Any, positions: int, head_dim: int, dtype: torch.dtype = 
 
 
 def block_plan(n: int) -> list[tuple[int, int]]:
-    """Split ``n`` rows into (real rows, padded M) blocks; M is 16, 32, 48 or a multiple of 16 in 208..512.
+    """Split ``n`` rows into (real rows, M) blocks, with M from :func:`block_sizes`.
 
-    Why these sizes: on MKL SGEMM with 2 threads, a row's bits are the same for M = 16, 32, 48 and
-    every multiple of 16 in 208..512, but M < 16 and M = 60..192 take other code paths for the
-    MLP's down projection (measured, and re-checked at start-up by :func:`linear_row_invariance`).
+    Up to 16 rows run unpadded (a single row gets one pad row: M = 1 is a GEMV, other bits);
+    17..192 rows pad to a multiple of 16; more run in blocks of up to 512 rows, M >= 208.
     """
     plan = []
     while n > 0:
-        if n > SMALL_BLOCK * 4:  # above 192 rows one big block; below, 48-row blocks avoid M = 60..192
+        if n > MID_BLOCK:
             rows = min(n, MAX_ROWS)
             m = max(_ceil(rows, 16), MIN_BIG_BLOCK)
         else:
-            rows = min(n, SMALL_BLOCK)
-            m = _ceil(rows, 16)
+            rows = n
+            m = max(n, MIN_ROWS) if n <= SMALL_BLOCK else _ceil(n, 16)
         plan.append((rows, m))
         n -= rows
     return plan
+
+
+def block_sizes() -> list[int]:
+    """Every M that :func:`block_plan` can produce; the start-up check covers each one."""
+    return [*range(MIN_ROWS, SMALL_BLOCK + 1), *range(32, MID_BLOCK + 1, 16), *range(MIN_BIG_BLOCK, MAX_ROWS + 1, 16)]
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` in the form whose row bits match across the plan's M (module docstring).
+
+    The small form's result is made contiguous again: elementwise kernels (silu) take a
+    vectorised or a scalar path depending on the innermost extent, so a transposed ``[M, out]``
+    would give M-dependent bits. (For big blocks that copy would cost ~20% of a prefill.)
+    """
+    if x.shape[0] <= SMALL_BLOCK:
+        return (w @ x.T).T.contiguous()
+    return F.linear(x, w)
+
+
+def _down(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The MLP's down projection: M = 57..192 gives other bits, so it runs in pieces of <= 48 rows."""
+    if DOWN_PIECE < x.shape[0] <= MID_BLOCK:
+        return torch.cat([_linear(piece, w) for piece in x.split(DOWN_PIECE)])
+    return _linear(x, w)
 
 
 def _ceil(n: int, q: int) -> int:
@@ -313,8 +378,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    var = x.pow(2).mean(-1, keepdim=True)
-    return weight * (x * torch.rsqrt(var + eps))
+    """Fused RMSNorm; per row, and bit-equal to HF's pow/mean/rsqrt/scale (checked on CPU)."""
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 def _pad_rows(x: torch.Tensor, m: int) -> torch.Tensor:
@@ -323,35 +388,44 @@ def _pad_rows(x: torch.Tensor, m: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(m - x.shape[0], *x.shape[1:])])
 
 
-def linear_row_invariance(transformer: Transformer, sizes: Sequence[int] = BLOCK_SIZES) -> list[str]:
+def linear_row_invariance(transformer: Transformer) -> list[str]:
     """Check that every linear shape the forward uses gives each row identical bits for each M.
 
     Returns the failures as readable strings (empty when the environment is exact). Uses layer 0
-    (all layers share shapes); the LM head only ever runs at M = LOGIT_ROWS, so for it the check
-    is that a row's logits do not depend on the other rows of the block.
+    (all layers share shapes) and every M of :func:`block_sizes`, each against M = MAX_ROWS.
     """
     pin_threads(transformer.threads)
     gen = torch.Generator(device="cpu").manual_seed(1234)
     layer = transformer.layers[0]
-    s = transformer.shape
-    proj_sizes = (DECODE_PROJ_ROWS, *sizes)
-    mats = {
-        "qkv": (layer.w_qkv, layer.b_qkv, s.hidden, proj_sizes),
-        "o": (layer.w_o, None, s.heads * s.head_dim, proj_sizes),
-        "gate_up": (layer.w_gate_up, None, s.hidden, sizes),
-        "down": (layer.w_down, None, layer.w_down.shape[1], sizes),
-    }
+    mats = {"qkv": (layer.qkv, _linear), "o": (layer.o, _linear),
+            "gate_up": (layer.gate_up, _linear), "down": (layer.down, _down)}
     failures = []
-    top = max(sizes)
-    for name, (w, b, k, ms) in mats.items():
-        x = torch.randn(top, k, generator=gen).to(transformer.device, transformer.dtype)
-        ref = F.linear(x, w, b)
-        for m in ms:
-            got = F.linear(x[:m], w, b)
-            if not torch.equal(got, ref[:m]):
-                failures.append(f"{name}: M={m} rows differ from M={top}")
-    h = torch.randn(LOGIT_ROWS, s.hidden, generator=gen).to(transformer.device, transformer.dtype)
-    alone = _pad_rows(h[:1], LOGIT_ROWS)
-    if not torch.equal(F.linear(alone, transformer.lm_head)[0], F.linear(h, transformer.lm_head)[0]):
-        failures.append(f"lm_head: a row's logits depend on the other rows of its {LOGIT_ROWS}-row block")
+    for name, (w, matmul) in mats.items():
+        x = torch.randn(MAX_ROWS, w.shape[1], generator=gen).to(transformer.device, transformer.dtype)
+        ref = matmul(x, w)
+        failures += [f"{name}: M={m} rows differ from M={MAX_ROWS}" for m in block_sizes() if not torch.equal(matmul(x[:m], w), ref[:m])]
+    return failures
+
+
+def attention_row_invariance(transformer: Transformer) -> list[str]:
+    """Check that rows attending alone equal the same rows attended in a whole tile.
+
+    Covers one key length below and one above flash attention's 512-key split, for each single
+    position of the last tile and for the largest group of rows that attends alone.
+    """
+    pin_threads(transformer.threads)
+    gen = torch.Generator(device="cpu").manual_seed(4321)
+    s, t = transformer.shape, transformer.tile
+    groups = s.heads // s.kv_heads
+    failures = []
+    for length in (transformer.key_bucket, _ceil(MAX_ROWS + 1, transformer.key_bucket)):
+        keys, values = (torch.randn(s.kv_heads, length, s.head_dim, generator=gen).to(transformer.device, transformer.dtype) for _ in range(2))
+        base = length - t
+        q = torch.randn(t, s.heads, s.head_dim, generator=gen).to(transformer.device, transformer.dtype)
+        whole = transformer._attend_tiles(keys, values, q, start=base, plan=transformer._attention_plan(base, t))
+        pieces = [(i, 1) for i in range(t)] + [(0, max(1, min(t, ATTENTION_ROWS // groups)))]
+        for off, n in pieces:
+            got = transformer._attention_for(base + off, n)(keys, values, q[off : off + n])
+            if not torch.equal(got, whole[off : off + n]):
+                failures.append(f"attention: {n} row(s) at key length {length} differ from a whole tile")
     return failures

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvkernel.forward import block_plan
+from kvkernel.forward import block_plan, block_sizes
 
 
 @st.composite
@@ -47,4 +47,5 @@ def test_block_plan_uses_only_checked_sizes():
     for n in range(1, 700):
         plan = block_plan(n)
         assert sum(rows for rows, _ in plan) == n
-        assert all(rows <= m and (m in (16, 32, 48) or (208 <= m <= 512 and m % 16 == 0)) for rows, m in plan)
+        assert all(rows <= m and m in block_sizes() for rows, m in plan)
+        assert all(m == max(rows, 2) for rows, m in plan if rows <= 16), "small blocks are not padded"
