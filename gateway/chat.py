@@ -113,22 +113,40 @@ class TemplateError(ValueError):
     pass
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """One message's rendering: its text, tokens and each token's character offsets in the text."""
+
+    text: str
+    tokens: tuple[int, ...]
+    offsets: tuple[tuple[int, int], ...]
+
+
 class Conversation:
     """A request's messages rendered with the model's chat template, one token chunk per message.
 
     Chunk k is render(messages[:k+1]) minus render(messages[:k]); `chunk(k, text)` renders message k
     with other text in its place (the stub of a quarantined tool result) at the same boundary.
+
+    A chunk is a pure function of the messages up to it, so chunks are keyed by a hash chain over
+    those messages and can be carried from one request of a session to the next (``memo``, then
+    ``used``): an agent that re-sends a growing history pays for rendering its new messages only,
+    not for re-rendering every prefix of the history (quadratic in its length).
     """
 
-    def __init__(self, tokenizer: Any, messages: list[ChatMessage]) -> None:
+    def __init__(self, tokenizer: Any, messages: list[ChatMessage], memo: dict[bytes, Chunk] | None = None) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise TemplateError("the model has no chat template; use an instruct checkpoint")
         self._tok = tokenizer
         self.messages = messages
         self._plain = [{"role": m.role, "content": model_text(m.text)} for m in messages]
         self._prefix: dict[int, str] = {0: ""}
-        self._chunks: dict[int, tuple[int, ...]] = {}
         self._names = _tool_names(messages)
+        self._memo = memo or {}
+        self.used: dict[bytes, Chunk] = {}  # the chunks this request rendered or reused: the next memo
+        self._chain = [b""]
+        for item in self._plain:
+            self._chain.append(hashlib.sha256(self._chain[-1] + json.dumps(item).encode()).digest())
 
     def _render(self, plain: list[dict[str, str]], generation: bool = False) -> str:
         if not plain:
@@ -144,19 +162,27 @@ class Conversation:
         return tuple(self._tok.encode(text, add_special_tokens=False))
 
     def chunk(self, k: int, text: str | None = None) -> tuple[int, ...]:
-        """Message k's tokens; each prefix of the conversation is rendered once per request."""
-        if text is None:
-            if k not in self._chunks:
-                self._chunks[k] = self._cut(self._prefix_text(k), self._prefix_text(k + 1))
-            return self._chunks[k]
-        item = {"role": self._plain[k]["role"], "content": text}
-        return self._cut(self._prefix_text(k), self._render([*self._plain[:k], item]))
+        """Message k's tokens, or with ``text`` as its content (same boundary)."""
+        return self._chunk(k, text).tokens
 
-    def _cut(self, before: str, full: str) -> tuple[int, ...]:
+    def _chunk(self, k: int, text: str | None) -> Chunk:
+        role, content = self._plain[k]["role"], self._plain[k]["content"] if text is None else text
+        key = hashlib.sha256(self._chain[k] + json.dumps({"role": role, "content": content}).encode()).digest()
+        found = self.used.get(key) or self._memo.get(key)
+        if found is None:
+            full = self._prefix_text(k + 1) if text is None else self._render([*self._plain[:k], {"role": role, "content": content}])
+            chunk_text = self._suffix(self._prefix_text(k), full)
+            encoded = self._tok(chunk_text, add_special_tokens=False, return_offsets_mapping=True)
+            found = Chunk(chunk_text, tuple(encoded["input_ids"]), tuple(map(tuple, encoded["offset_mapping"])))
+        self.used[key] = found
+        return found
+
+    @staticmethod
+    def _suffix(before: str, full: str) -> str:
         if not full.startswith(before):
             raise TemplateError("the chat template is not prefix-stable; Lethe needs one that renders "
                                 "message by message")
-        return self.encode(full[len(before):])
+        return full[len(before):]
 
     def message(self, k: int) -> RenderedMessage:
         m = self.messages[k]
@@ -165,12 +191,22 @@ class Conversation:
                                content_sha256=hashlib.sha256(raw).hexdigest(), tokens=self.chunk(k))
 
     def frame(self, k: int) -> tuple[int, int]:
-        """How many tokens of chunk k are template framing before and after the content."""
-        full, bare = self.chunk(k), self.chunk(k, "")
-        head = next((i for i, (a, b) in enumerate(zip(full, bare)) if a != b), min(len(full), len(bare)))
-        tail = next((i for i, (a, b) in enumerate(zip(reversed(full), reversed(bare))) if a != b),
-                    min(len(full), len(bare)))
-        return min(head, len(bare)), min(tail, len(bare) - min(head, len(bare)))
+        """How many tokens of chunk k are template framing before and after the content.
+
+        Read from the chunk's token offsets: tokens that end before the content starts are the
+        head, tokens that start after it ends the tail (a token straddling an edge counts as
+        content). This costs no extra template render, which on a long conversation is ~1 ms.
+        If the template rewrote the content so that it cannot be found, the whole chunk counts;
+        an empty content is all framing.
+        """
+        chunk, content = self._chunk(k, None), self._plain[k]["content"]
+        if not content:
+            return len(chunk.tokens), 0
+        at = chunk.text.find(content)
+        if at < 0:
+            return 0, 0
+        end = at + len(content)
+        return sum(1 for _, e in chunk.offsets if e <= at), sum(1 for s, _ in chunk.offsets if s >= end)
 
     def stub(self, k: int, reason: str) -> tuple[int, ...]:
         """Tokens of the short stub that replaces a quarantined tool result in the model's context."""

@@ -2,12 +2,18 @@
 
 It checks what a load test must (no 5xx, ledgers that hold every message in order, an audit log
 that verifies) and reports the gateway's own overhead per tool result, model compute excluded.
+The clients run in their own process, as real agents do: client threads inside the server's
+process would compete for its GIL and inflate the very latency being measured.
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -81,7 +87,21 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))] if ordered else 0.0
 
 
+_KEY_ENV = "LETHE_LOADTEST_KEY"  # the API key reaches the client process by environment, not argv
+
+
 def run_load(base: str, key: str, *, sessions: int = 8, turns: int = 20, max_tokens: int = 1) -> dict[str, Any]:
+    """Run ``sessions`` concurrent agents for ``turns`` turns each from a separate client process."""
+    cmd = [sys.executable, "-m", "gateway.loadtest", base, "--sessions", str(sessions), "--turns", str(turns),
+           "--max-tokens", str(max_tokens)]
+    done = subprocess.run(cmd, env={**os.environ, _KEY_ENV: key}, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"the load client failed (exit {done.returncode}): {done.stderr[-2000:]}")
+    return json.loads(done.stdout)
+
+
+def drive(base: str, key: str, *, sessions: int, turns: int, max_tokens: int) -> dict[str, Any]:
+    """The client side of :func:`run_load`: one thread per session, in this process."""
     started = time.perf_counter()
     with ThreadPoolExecutor(sessions) as pool:
         runs = list(pool.map(lambda n: _one_session(base, key, n, turns, max_tokens), range(sessions)))
@@ -97,3 +117,21 @@ def run_load(base: str, key: str, *, sessions: int = 8, turns: int = 20, max_tok
                         "mean": round(statistics.fmean(overheads), 3) if overheads else 0.0},
         "session_ids": [r.session_id for r in runs],
     }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Load client for a Lethe gateway (the API key comes from "
+                                                 f"${_KEY_ENV}).")
+    parser.add_argument("base", help="gateway base URL, e.g. http://127.0.0.1:8080")
+    parser.add_argument("--sessions", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=20)
+    parser.add_argument("--max-tokens", type=int, default=1)
+    args = parser.parse_args()
+    key = os.environ.get(_KEY_ENV)
+    if not key:
+        parser.error(f"set {_KEY_ENV} to an API key of the gateway's tenant")
+    print(json.dumps(drive(args.base, key, sessions=args.sessions, turns=args.turns, max_tokens=args.max_tokens)))
+
+
+if __name__ == "__main__":
+    main()

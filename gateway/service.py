@@ -27,7 +27,7 @@ from kvkernel import GenerationConfig, Kernel, KVCache, Model
 from ledger import Ledger, Segment, SegmentState, SessionRecord
 from policies import PolicyEngine, PolicyError, derive_salt
 
-from .chat import ChatMessage, Conversation, RenderedMessage, stub_text
+from .chat import ChatMessage, Chunk, Conversation, RenderedMessage, stub_text
 from .errors import GatewayError, not_found, unavailable
 from .metrics import Metrics
 from .tenants import Principal
@@ -42,6 +42,7 @@ class LiveSession:
     record: SessionRecord
     cache: KVCache
     lock: threading.Lock = field(default_factory=threading.Lock)
+    chunks: dict[bytes, Chunk] = field(default_factory=dict)  # last request's renderings (Conversation memo)
 
 
 class PrefixCache:
@@ -273,7 +274,7 @@ class Gateway:
         live.lock.acquire()
         pending: list[PostTurn] = []
         try:
-            conv = Conversation(self.p.model.tokenizer, messages)
+            conv = Conversation(self.p.model.tokenizer, messages, memo=live.chunks)
             actions: list[Action] = []
             first_new = self._reconcile(live, conv)
             self._admit(principal, live, conv, first_new, actions, pending)
@@ -287,6 +288,7 @@ class Gateway:
                                    "lower max_tokens, forget segments or start a new session", param="max_tokens")
             self._compute(live.cache.stage, prompt)
             self.p.metrics.tokens.labels("prefill").inc(len(prompt))
+            live.chunks = conv.used
             return Turn(live, actions, pending, len(live.cache))
         except BaseException:
             try:  # what was admitted for this turn only is erased even though the turn failed

@@ -29,7 +29,9 @@ class ContentStore:
     def __init__(self, engine: Engine, serial: AbstractContextManager[object]) -> None:
         self._engine = engine
         self._serial = serial
-        self._insert = _INSERT[engine.dialect.name]
+        upsert = _INSERT[engine.dialect.name](blobs)
+        # Built once (see ledger._INSERT_SEGMENT); the no-op update locks an existing row.
+        self._upsert = upsert.on_conflict_do_update(index_elements=[blobs.c.sha256], set_={"size": upsert.excluded.size})
 
     def put(self, data: bytes) -> str:
         with self._serial, self._engine.connect().execution_options(**{WRITE: True}) as conn, conn.begin():
@@ -57,8 +59,7 @@ class ContentStore:
         """Insert or keep `data`; the no-op update locks the row (PostgreSQL) so a concurrent
         `release` cannot delete it between this put and the caller's commit."""
         digest = sha256_hex(data)
-        stmt = self._insert(blobs).values(sha256=digest, size=len(data), data=data)
-        conn.execute(stmt.on_conflict_do_update(index_elements=[blobs.c.sha256], set_={"size": stmt.excluded.size}))
+        conn.execute(self._upsert, {"sha256": digest, "size": len(data), "data": data})
         return digest
 
     def release(self, conn: Connection, digests: Iterable[str | None]) -> list[str]:
