@@ -192,7 +192,9 @@ class Gateway:
         self.p = parts
         self._sessions: dict[str, LiveSession] = {}
         self._sessions_lock = threading.Lock()
-        self._model_lock = threading.Lock()
+        # Reentrant: a tool result's whole admission holds it (see _admit_tool), and the kernel
+        # calls inside take it again.
+        self._model_lock = threading.RLock()
         self.prefixes = PrefixCache()
 
     # ---- sessions ---------------------------------------------------------------------------
@@ -438,12 +440,23 @@ class Gateway:
 
     def _admit_tool(self, principal: Principal, live: LiveSession, conv: Conversation,
                     m: RenderedMessage) -> tuple[Action, Segment]:
-        """gate → stage (the probe reads the staged states) → policy → commit, or rollback to a stub."""
+        """gate → stage (the probe reads the staged states) → policy → commit, or rollback to a stub.
+
+        The whole admission holds the model lock. On a CPU host the model's compute saturates
+        every core, so pipeline work run beside another session's forward pass only slows both
+        (measured: 2-3x the CPU time from cache pressure, plus run-queue waits); run between
+        forward passes it costs its own time, ~2 ms, and delays the next forward pass by as much.
+        """
         if len(m.content) > self.p.max_tool_result_bytes:
             raise GatewayError(413, "tool_result_too_large",
                                f"messages[{m.index}] tool result is {len(m.content)} bytes; the limit is "
                                f"{self.p.max_tool_result_bytes} (LETHE_MAX_TOOL_RESULT_BYTES)",
                                param=f"messages.{m.index}.content")
+        with self._model_lock:
+            return self._admit_tool_locked(principal, live, conv, m)
+
+    def _admit_tool_locked(self, principal: Principal, live: LiveSession, conv: Conversation,
+                           m: RenderedMessage) -> tuple[Action, Segment]:
         own = Stopwatch()  # the gateway's own work: everything but model compute and its lock
         try:
             with own:

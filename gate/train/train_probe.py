@@ -119,15 +119,16 @@ def make_samples(tok, docs: list[Doc], split: str, r: random.Random) -> list[Sam
 class Extractor:
     """SmolLM2 truncated after the deepest candidate layer; chat prefixes prefilled once."""
 
-    def __init__(self, model_dir: Path = MODEL_DIR) -> None:
+    def __init__(self, model_dir: Path = MODEL_DIR, layers: tuple[int, ...] = CANDIDATE_LAYERS, threads: int = 1) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        torch.set_num_threads(1)
+        torch.set_num_threads(threads)
         self.torch = torch
+        self.layers = list(layers)
         self.tok = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        keep = max(CANDIDATE_LAYERS) + 2  # hidden_states[-1] is final-normed: keep one layer past it
+        keep = max(layers) + 2  # hidden_states[-1] is final-normed: keep one layer past it
         model.model.layers = model.model.layers[:keep]
         model.config.num_hidden_layers = keep
         self.model = model.model
@@ -149,9 +150,9 @@ class Extractor:
         return out.hidden_states, out.past_key_values
 
     def states(self, text: str, prefix: int) -> np.ndarray:
-        """[n_tokens, len(CANDIDATE_LAYERS), d] float16: the tool content's states after the prefix."""
+        """[n_tokens, len(self.layers), d] float16: the tool content's states after the prefix."""
         hs, _ = self._forward(self._ids(text), copy.deepcopy(self.prefix_cache[prefix]))
-        return np.stack([hs[layer + 1][0].numpy() for layer in CANDIDATE_LAYERS], axis=1).astype(np.float16)
+        return np.stack([hs[layer + 1][0].numpy() for layer in self.layers], axis=1).astype(np.float16)
 
 
 @dataclass

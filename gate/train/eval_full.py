@@ -1,0 +1,93 @@
+"""The injection stack as the gateway runs it, scored on whole documents (never cut).
+
+    python -m gate.train.eval_full --data gate/data/test.jsonl > test-full.json
+
+Each line's text goes whole into the short agent chat the probe was trained with (the prefix is
+chosen by line number), the byte gate scores its bytes, the hidden-state probe scores the tool
+content's residual states, and :meth:`InjectionProbe.combine` stacks the two: the ``injection``
+the gateway's policy receives. Negatives are all non-injection lines (benign and secret).
+
+Why a separate script: `lethe gate eval` scores bytes only, at MB/s; this one runs the model
+(~600 tok/s on 2 cores), so it caches each line's window features in ``var/probe_features/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from gate.core import Gate
+from gate.probe import InjectionProbe, window_features
+from gate.train.train_probe import CACHE_DIR, PREFIXES, Extractor
+from gate.train.train_injection import recall_at_fpr, roc_auc
+
+
+def window_table(ex: Extractor, texts: list[str], layers: tuple[int, ...], window: int, name: str) -> list[np.ndarray]:
+    """Per text, its windows' mean states (``window_features``), cached by content and settings."""
+    key = hashlib.sha256(json.dumps([texts, layers, window, PREFIXES]).encode()).hexdigest()[:16]
+    path = CACHE_DIR / f"full-{name}-{key}.npz"
+    if path.is_file():
+        with np.load(path) as z:
+            return np.split(z["feats"], z["offsets"][1:-1])
+    feats = []
+    for i, text in enumerate(tqdm(texts, desc=f"states {name}", unit="doc", file=sys.stderr)):
+        states = ex.states(text, i % len(PREFIXES))
+        hidden = {layer: states[:, ex.layers.index(layer)].astype(np.float32) for layer in layers}
+        feats.append(window_features(hidden, layers, window, window // 2).astype(np.float32))
+    offsets = np.concatenate([[0], np.cumsum([len(f) for f in feats])])
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    np.savez(path, feats=np.concatenate(feats), offsets=offsets)
+    return feats
+
+
+def probe_logit(probe: InjectionProbe, feats: np.ndarray) -> float:
+    """The document logit from cached window features: the same arithmetic as ``probe.logit``."""
+    return float(((feats - probe.mean) / probe.scale @ probe.coef).max() + probe.intercept) if len(feats) else -np.inf
+
+
+def evaluate(rows: list[dict], probe: InjectionProbe, feats: list[np.ndarray]) -> dict:
+    gate = Gate()
+    y = np.array([r["label"] == "injection" for r in rows], dtype=int)
+    a, b = probe.platt
+    byte = np.array([gate.scan(r["text"].encode()).injection for r in rows])
+    logits = np.array([probe_logit(probe, f) for f in feats])
+    probe_p = np.where(np.isfinite(logits), 1 / (1 + np.exp(-(a * logits + b))), 0.0)
+    stack = np.array([probe.combine(p, q) for p, q in zip(probe_p, byte)])
+    result: dict = {"documents": len(rows), "injections": int(y.sum()), "negatives": int((1 - y).sum())}
+    for name, s in (("byte_gate", byte), ("probe", probe_p), ("stack", stack)):
+        pred = s >= 0.5
+        result[name] = {"recall_at_1pct_fpr": round(recall_at_fpr(s, y), 4), "roc_auc": round(roc_auc(s, y), 4),
+                        "recall_at_0.5": round(float(pred[y == 1].mean()), 4), "fpr_at_0.5": round(float(pred[y == 0].mean()), 4)}
+    by_source: dict[str, list[int]] = {}
+    threshold = np.sort(stack[y == 0])[::-1][int(0.01 * (1 - y).sum())]
+    for r, s, yi in zip(rows, stack, y):
+        if yi:
+            by_source.setdefault(r.get("source", "?").split("|")[-1].rsplit(":", 1)[0], []).append(int(s > threshold))
+    result["stack"]["by_attack_recall_at_1pct_fpr"] = {k: [round(float(np.mean(v)), 3), len(v)] for k, v in sorted(by_source.items())}
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", type=Path, required=True, help="JSONL of {text, label[, source]}")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    rows = [json.loads(line) for line in args.data.read_text().splitlines() if line.strip()]
+    probe = InjectionProbe.load()
+    started = time.time()
+    ex = Extractor(layers=probe.layers, threads=args.threads)
+    feats = window_table(ex, [r["text"] for r in rows], probe.layers, probe.window, args.data.stem)
+    result = evaluate(rows, probe, feats)
+    result.update(data=str(args.data), probe_layers=list(probe.layers), seconds=round(time.time() - started, 1))
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
