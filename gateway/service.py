@@ -685,13 +685,12 @@ class Gateway:
         return count
 
     def _expire(self, record: SessionRecord, segments: list[Segment]) -> int:
-        quarantined = [s for s in segments if s.state is SegmentState.QUARANTINED]
-        for seg in quarantined:  # the stub stays; the withheld blob goes
-            if self.p.ledger.content.exists(seg.content_sha256):
-                self.p.ledger.content.delete(seg.content_sha256)
-                self._append_records([self._record("retention-forget", record, seg.id, (seg.start, seg.end),
-                                                   seg.n_tokens, seg.content_sha256, seg.meta.get("gate"),
-                                                   seg.meta.get("decision"), "retention", None)])
+        quarantined = [s.id for s in segments if s.state is SegmentState.QUARANTINED]
+        retired = self.p.ledger.retire_content(record.id, quarantined) if quarantined else []
+        if retired:  # the stub stays; the withheld content goes (unless other segments hold it)
+            self._append_records([self._record("retention-forget", record, seg.id, (seg.start, seg.end), seg.n_tokens,
+                                               seg.content_sha256, seg.meta.get("gate"), seg.meta.get("decision"),
+                                               "retention", None) for seg in retired])
         live_segments = [s for s in segments if s.state is not SegmentState.QUARANTINED]
         if live_segments:
             live = self._resident(record)

@@ -12,7 +12,7 @@ from contextlib import AbstractContextManager
 from sqlalchemy import Connection, Engine, delete, exists, or_, select
 from sqlalchemy.dialects import postgresql, sqlite
 
-from .records import SegmentState
+from .records import CONTENT_RETIRED, SegmentState
 from .schema import WRITE, blobs, segments
 
 _INSERT = {"sqlite": sqlite.insert, "postgresql": postgresql.insert}
@@ -63,19 +63,21 @@ class ContentStore:
         return digest
 
     def release(self, conn: Connection, digests: Iterable[str | None]) -> list[str]:
-        """Delete each blob no non-forgotten segment (any session) references; returns those deleted.
+        """Delete each blob no segment (any session) still holds; returns those deleted.
 
-        Rows are locked in sorted order first, so a concurrent `put_in` of the same content waits
-        and either sees the blob gone (and re-inserts it) or is seen as a reference here.
+        Forgotten segments hold nothing, nor do quarantined ones whose content retention retired
+        (they keep only the hash). Rows are locked in sorted order first, so a concurrent `put_in`
+        of the same content waits and either sees the blob gone (and re-inserts it) or is seen as
+        a holder here.
         """
         deleted = []
         for digest in sorted({d for d in digests if d}):
             conn.execute(select(blobs.c.sha256).where(blobs.c.sha256 == digest).with_for_update()).all()
-            referenced = select(segments.c.id).where(
+            holders = conn.execute(select(segments.c.state, segments.c.meta).where(
                 segments.c.state != SegmentState.FORGOTTEN.value,
                 or_(segments.c.content_sha256 == digest, segments.c.replacement_sha256 == digest),
-            )
-            if conn.execute(select(exists(referenced))).scalar_one():
+            )).all()
+            if any(not (h.state == SegmentState.QUARANTINED.value and h.meta.get(CONTENT_RETIRED)) for h in holders):
                 continue
             if conn.execute(delete(blobs).where(blobs.c.sha256 == digest)).rowcount:
                 deleted.append(digest)

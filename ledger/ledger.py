@@ -20,7 +20,7 @@ from sqlalchemy import Connection, Row, bindparam, exc, insert, select, update
 from .content import ContentStore
 from .errors import LedgerError, UnknownSegment, UnknownSession
 from .invariants import verify_tiling
-from .records import IN_CACHE, Segment, SegmentState, SessionRecord
+from .records import CONTENT_RETIRED, IN_CACHE, Segment, SegmentState, SessionRecord
 from .schema import WRITE, make_engine, metadata, segments, sessions
 
 log = structlog.get_logger(__name__)
@@ -225,6 +225,8 @@ class Ledger:
         out = []
         for row in rows:
             seg = _segment(row)
+            if seg.content_retired:
+                continue
             record = SessionRecord(
                 id=row.session_id, tenant=row.tenant, user=row.user,
                 created_at=_utc(row.session_created_at), salt_scope=row.salt_scope,
@@ -316,6 +318,26 @@ class Ledger:
             result = self._load(conn, session_id, ids)
         log.info("ledger.forget", session_id=session_id, segment_ids=ids, tokens=removed, blobs_erased=len(erased))
         return result
+
+    def retire_content(self, session_id: str, segment_ids: Sequence[str]) -> list[Segment]:
+        """Retention for quarantined segments: the stub stays in the cache, the withheld content goes.
+
+        Each listed quarantined segment is marked retired (once) and its blob erased unless
+        another segment still holds the same bytes; its hash stays, so a re-sent history still
+        finds it. Returns the segments this call retired; others (not quarantined, or retired
+        already) are left as they are.
+        """
+        with self._write(session_id) as (conn, _sess):
+            targets = [s for s in self._load(conn, session_id, list(dict.fromkeys(segment_ids)))
+                       if s.state is SegmentState.QUARANTINED and not s.content_retired]
+            for seg in targets:
+                conn.execute(update(segments).where(segments.c.id == seg.id)
+                             .values(meta={**seg.meta, CONTENT_RETIRED: True}))
+            erased = self.content.release(conn, [s.content_sha256 for s in targets])
+            retired = self._load(conn, session_id, [s.id for s in targets]) if targets else []
+        log.info("ledger.retire_content", session_id=session_id, segment_ids=[s.id for s in retired],
+                 blobs_erased=len(erased))
+        return retired
 
     def amortize(
         self, session_id: str, segment_id: str, replacement_tokens: int, replacement_content: bytes

@@ -32,6 +32,7 @@ class SegmentState(str, Enum):
 
 
 IN_CACHE = frozenset({SegmentState.LIVE, SegmentState.QUARANTINED, SegmentState.AMORTIZED})
+CONTENT_RETIRED = "content_retired"  # meta flag set by Ledger.retire_content
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,11 @@ class Segment:
     @property
     def n_tokens(self) -> int:
         return self.end - self.start
+
+    @property
+    def content_retired(self) -> bool:
+        """A quarantined segment whose withheld content retention has erased (its stub stays)."""
+        return self.state is SegmentState.QUARANTINED and bool(self.meta.get(CONTENT_RETIRED))
 
 
 @dataclass(frozen=True)

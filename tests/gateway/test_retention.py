@@ -5,7 +5,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from gateway.demo import CONFIG_FILE
+from gateway.demo import CONFIG_FILE, WEB_PAGE
 
 pytestmark = pytest.mark.model
 
@@ -42,3 +42,32 @@ def test_expired_secret_is_forgotten_by_the_sweeper(live_gateway):
         digest_fresh = http.get(f"/v1/sessions/{fresh.headers['x-lethe-session']}").json()["cache_digest"]
         assert http.get(f"/v1/sessions/{sid}").json()["cache_digest"] == digest_fresh
     assert not gw.p.ledger.content.exists(before[-1]["content_sha256"])
+
+
+def test_expired_quarantine_loses_its_content_but_keeps_its_stub(live_gateway):
+    messages = [
+        {"role": "user", "content": "summarise this page"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "w1", "type": "function", "function": {"name": "web_fetch", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "w1", "content": WEB_PAGE},
+    ]
+    gw = live_gateway.state.gateway
+    with live_gateway.client() as http:
+        response = http.post("/v1/chat/completions", json={"model": "m", "messages": messages, "max_tokens": 2})
+        assert response.status_code == 200, response.text
+        sid = response.headers["x-lethe-session"]
+        assert response.json()["lethe"]["actions"][0]["action"] == "quarantine"
+        quarantined = http.get(f"/v1/sessions/{sid}/segments").json()["segments"][-1]
+        assert gw.p.ledger.content.exists(quarantined["content_sha256"])
+        digest = http.get(f"/v1/sessions/{sid}").json()["cache_digest"]
+
+        later = datetime.now(timezone.utc) + timedelta(days=8)  # quarantined content is kept 7 days
+        gw.sweep_retention(now=later)
+        gw.sweep_retention(now=later)  # a second sweep finds nothing new to retire
+
+        after = http.get(f"/v1/sessions/{sid}/segments").json()["segments"][-1]
+        assert after["state"] == "quarantined" and (after["start"], after["end"]) == (quarantined["start"], quarantined["end"])
+        assert http.get(f"/v1/sessions/{sid}").json()["cache_digest"] == digest  # the stub stays in the cache
+        records = http.get("/v1/audit/records", params={"session": sid, "kind": "retention-forget"}).json()["records"]
+        assert len(records) == 1 and records[0]["body"]["segment_id"] == quarantined["id"]
+    assert not gw.p.ledger.content.exists(quarantined["content_sha256"])
