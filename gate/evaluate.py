@@ -63,16 +63,30 @@ def _metrics(scores: np.ndarray, y: np.ndarray, threshold: float = 0.5) -> dict:
 
 def evaluate_jsonl(path: Path, *, gate: Gate | None = None) -> dict:
     """Scan every line of ``path`` and report per-label metrics and throughput (JSON-able)."""
-    gate = gate or default_gate()
-    rows = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = load_rows(path)
+    t0 = time.perf_counter()
+    scores, total_bytes = scan_rows(rows, gate or default_gate())
+    return report(path, rows, scores, total_bytes, time.perf_counter() - t0)
+
+
+def load_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def scan_rows(rows: list[dict], gate: Gate) -> tuple[dict[str, np.ndarray], int]:
+    """Each label's gate probability per row, and the bytes scanned."""
     scores = {label: np.zeros(len(rows)) for label in LABELS}
-    total_bytes, t0 = 0, time.perf_counter()
+    total_bytes = 0
     for i, row in enumerate(rows):
         data = row["text"].encode("utf-8", "surrogatepass")
         report = gate.scan(data)
         total_bytes += len(data)
         scores["injection"][i], scores["secret"][i] = report.injection, report.secret
-    seconds = time.perf_counter() - t0
+    return scores, total_bytes
+
+
+def report(path: Path, rows: list[dict], scores: dict[str, np.ndarray], total_bytes: int, seconds: float) -> dict:
+    """Per-label metrics of ``scores`` against the rows' labels, with the throughput they took."""
     labels = np.array([row["label"] for row in rows])
     out: dict = {"path": str(path), "documents": len(rows), "megabytes": round(total_bytes / 1e6, 3),
                  "throughput_mb_s": round(total_bytes / 1e6 / seconds, 3) if seconds else None,

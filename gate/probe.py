@@ -118,7 +118,10 @@ class InjectionProbe:
         decoder layer ``layer`` (0-based) for the tool result's tokens only, as prefilled after
         the preceding conversation. An empty tool result scores 0.
         """
-        z = self.logit(hidden)
+        return self.calibrate(self.logit(hidden))
+
+    def calibrate(self, z: float) -> float:
+        """Platt-scaled probability of a document logit (an empty document's -inf gives 0)."""
         if z == -np.inf:
             return 0.0
         a, b = self.platt

@@ -189,19 +189,35 @@ def gate_scan(path: Path) -> None:
 
 @gate_app.command("eval")
 def gate_eval(data: Annotated[Path, typer.Option(help="JSONL of {text, label}")],
+              probe: Annotated[bool, typer.Option(help="score injection as the gateway does: the byte gate stacked "
+                                                       "with the hidden-state probe (runs the model)")] = False,
               json_out: JsonFlag = False) -> None:
     """Precision, recall, FPR, recall at 1% FPR, ROC AUC and throughput per label."""
-    from gate.evaluate import evaluate_jsonl
+    import time
 
-    result = evaluate_jsonl(data)
+    from gate import Gate
+    from gate.evaluate import load_rows, report, scan_rows
+
+    rows = load_rows(data)
+    started = time.perf_counter()
+    scores, nbytes = scan_rows(rows, Gate(gitleaks_config=_settings().gitleaks_config))
+    cached = False
+    if probe:
+        from gate.train.eval_full import stack_scores
+
+        _, scores["injection"], cached = stack_scores(rows, scores["injection"], name=data.stem)
+    result = report(data, rows, scores, nbytes, time.perf_counter() - started)
+    result["injection_scorer"] = "stack(probe, byte gate)" if probe else "byte gate"
+    if cached:
+        result["note"] = "the probe read cached model states (var/probe_features/): throughput excludes the model pass"
     if json_out:
         _emit(result)
         return
-    for label, metrics in result.items():
-        if isinstance(metrics, dict):
-            typer.echo(f"{label:10} " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
-                                                for k, v in metrics.items() if not isinstance(v, dict)))
-    typer.echo(f"{result['documents']} documents, {result['megabytes']} MB, {result['throughput_mb_s']} MB/s")
+    for label in ("injection", "secret"):
+        typer.echo(f"{label:10} " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
+                                            for k, v in result[label].items() if not isinstance(v, dict)))
+    typer.echo(f"{result['documents']} documents, {result['megabytes']} MB, {result['throughput_mb_s']} MB/s; "
+               f"injection scored by the {result['injection_scorer']}")
 
 
 # ---- policy ---------------------------------------------------------------------------------

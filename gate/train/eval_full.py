@@ -18,24 +18,31 @@ import hashlib
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
 from gate.core import Gate
+from gate.evaluate import load_rows
 from gate.probe import InjectionProbe, window_features
 from gate.train.train_probe import CACHE_DIR, PREFIXES, Extractor
 from gate.train.train_injection import recall_at_fpr, roc_auc
 
 
-def window_table(ex: Extractor, texts: list[str], layers: tuple[int, ...], window: int, name: str) -> list[np.ndarray]:
-    """Per text, its windows' mean states (``window_features``), cached by content and settings."""
+def window_table(extractor: Callable[[], Extractor], texts: list[str], layers: tuple[int, ...], window: int,
+                 name: str) -> tuple[list[np.ndarray], bool]:
+    """Per text, its windows' mean states (``window_features``), cached by content and settings.
+
+    Returns the table and whether it came from the cache (the model is only loaded on a miss).
+    """
     key = hashlib.sha256(json.dumps([texts, layers, window, PREFIXES]).encode()).hexdigest()[:16]
     path = CACHE_DIR / f"full-{name}-{key}.npz"
     if path.is_file():
         with np.load(path) as z:
-            return np.split(z["feats"], z["offsets"][1:-1])
+            return np.split(z["feats"], z["offsets"][1:-1]), True
+    ex = extractor()
     feats = []
     for i, text in enumerate(tqdm(texts, desc=f"states {name}", unit="doc", file=sys.stderr)):
         states = ex.states(text, i % len(PREFIXES))
@@ -44,7 +51,7 @@ def window_table(ex: Extractor, texts: list[str], layers: tuple[int, ...], windo
     offsets = np.concatenate([[0], np.cumsum([len(f) for f in feats])])
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     np.savez(path, feats=np.concatenate(feats), offsets=offsets)
-    return feats
+    return feats, False
 
 
 def probe_logit(probe: InjectionProbe, feats: np.ndarray) -> float:
@@ -52,14 +59,20 @@ def probe_logit(probe: InjectionProbe, feats: np.ndarray) -> float:
     return float(((feats - probe.mean) / probe.scale @ probe.coef).max() + probe.intercept) if len(feats) else -np.inf
 
 
-def evaluate(rows: list[dict], probe: InjectionProbe, feats: list[np.ndarray]) -> dict:
-    gate = Gate()
+def stack_scores(rows: list[dict], byte: np.ndarray, *, name: str, threads: int = 2,
+                 probe: InjectionProbe | None = None) -> tuple[np.ndarray, np.ndarray, bool]:
+    """Per row: the probe's calibrated score and its stack with the byte gate's ``byte`` score
+    (the ``injection`` the gateway's policy receives), and whether the states came from the cache."""
+    probe = probe or InjectionProbe.load()
+    feats, cached = window_table(lambda: Extractor(layers=probe.layers, threads=threads), [r["text"] for r in rows],
+                                 probe.layers, probe.window, name)
+    probe_p = np.array([probe.calibrate(probe_logit(probe, f)) for f in feats])
+    return probe_p, np.array([probe.combine(p, q) for p, q in zip(probe_p, byte)]), cached
+
+
+def evaluate(rows: list[dict], byte: np.ndarray, probe_p: np.ndarray, stack: np.ndarray) -> dict:
+    """Byte gate, probe and stack side by side: recall at 1% FPR, AUC, and per-attack recall of the stack."""
     y = np.array([r["label"] == "injection" for r in rows], dtype=int)
-    a, b = probe.platt
-    byte = np.array([gate.scan(r["text"].encode()).injection for r in rows])
-    logits = np.array([probe_logit(probe, f) for f in feats])
-    probe_p = np.where(np.isfinite(logits), 1 / (1 + np.exp(-(a * logits + b))), 0.0)
-    stack = np.array([probe.combine(p, q) for p, q in zip(probe_p, byte)])
     result: dict = {"documents": len(rows), "injections": int(y.sum()), "negatives": int((1 - y).sum())}
     for name, s in (("byte_gate", byte), ("probe", probe_p), ("stack", stack)):
         pred = s >= 0.5
@@ -79,13 +92,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--data", type=Path, required=True, help="JSONL of {text, label[, source]}")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
-    rows = [json.loads(line) for line in args.data.read_text().splitlines() if line.strip()]
-    probe = InjectionProbe.load()
+    rows = load_rows(args.data)
     started = time.time()
-    ex = Extractor(layers=probe.layers, threads=args.threads)
-    feats = window_table(ex, [r["text"] for r in rows], probe.layers, probe.window, args.data.stem)
-    result = evaluate(rows, probe, feats)
-    result.update(data=str(args.data), probe_layers=list(probe.layers), seconds=round(time.time() - started, 1))
+    gate = Gate()
+    byte = np.array([gate.scan(r["text"].encode()).injection for r in rows])
+    probe_p, stack, _ = stack_scores(rows, byte, name=args.data.stem, threads=args.threads)
+    result = evaluate(rows, byte, probe_p, stack)
+    result.update(data=str(args.data), seconds=round(time.time() - started, 1))
     print(json.dumps(result, indent=2))
 
 

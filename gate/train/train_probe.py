@@ -1,10 +1,13 @@
 """Reproducible training of the hidden-state injection probe (:mod:`gate.probe`).
 
     nice -n 10 python -m gate.train.train_probe          # writes gate/weights/probe.{npz,json}
+    python -m gate.train.train_probe --full --threads 2  # the same, on whole documents
 
 Data: the same corpus and train/dev/test separation as ``train_injection`` (``build_corpus``,
-same seed), subsampled to fit a CPU budget. Each document is cut to ``MAX_TOKENS`` tokens (around
-the injection for positives, a random window for negatives), rendered as the tool message of a
+same seed), subsampled to fit a CPU budget. Each document is cut to the plan's ``max_tokens``
+(around the injection for positives, a random window for negatives; ``--full`` keeps whole
+documents up to ``FULL_CAP`` tokens and searches only the layers and window the cut plan chose),
+rendered as the tool message of a
 short chat (system, user task, assistant tool call, tool) and prefilled through SmolLM2; the
 tool message's token states of the candidate layers are cached in ``var/probe_features/``.
 Layers, window and regularisation are chosen on dev; Platt calibration is fitted on dev; test is
@@ -36,12 +39,29 @@ REPO = Path(__file__).resolve().parents[2]
 MODEL_DIR = REPO / "var" / "models" / "SmolLM2-135M-Instruct"
 CACHE_DIR = REPO / "var" / "probe_features"
 CANDIDATE_LAYERS = (3, 6, 9, 12, 15, 18, 21)
-MAX_TOKENS = 128
-# Documents per split (injection, benign). Sized by the CPU budget: ~150 tok/s on a shared core.
-SAMPLE = {"train": (240, 240), "dev": (150, 180), "test": (150, 180)}
-GRID_LAYERS = [(layer,) for layer in CANDIDATE_LAYERS] + [(9, 15), (12, 18), (6, 12, 18)]
-GRID_WINDOWS = (16, 32, 64)
 GRID_L2 = (1e-3, 1e-2, 1e-1)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a training run extracts and searches. ``max_tokens`` 0 keeps documents whole."""
+
+    name: str
+    layers: tuple[int, ...]  # extracted; every grid entry is a subset
+    grid_layers: tuple[tuple[int, ...], ...]
+    grid_windows: tuple[int, ...]
+    max_tokens: int
+    sample: dict[str, tuple[int, int]]  # documents per split: (injection, benign)
+
+
+# Documents cut to 128 tokens around the injection; a wide search. Sized by the CPU budget.
+CUT = Plan("cut", CANDIDATE_LAYERS, tuple((layer,) for layer in CANDIDATE_LAYERS) + ((9, 15), (12, 18), (6, 12, 18)),
+           (16, 32, 64), 128, {"train": (240, 240), "dev": (150, 180), "test": (150, 180)})
+# Whole documents (up to FULL_CAP tokens), the layers and window CUT selected: what the gateway sees,
+# so long benign documents, whose many windows each get a chance to look like an injection, are
+# negatives in training and in calibration.
+FULL_CAP = 1024
+FULL = Plan("full", (12, 18), ((12, 18),), (16,), 0, {"train": (360, 360), "dev": (200, 240), "test": (150, 180)})
 # (user task, tool call): the conversation the tool result is prefilled after.
 PREFIXES = [
     ("Summarize my latest email.", '{"name": "read_email", "arguments": {"folder": "inbox", "index": 0}}'),
@@ -77,21 +97,22 @@ def model_identity(model_dir: Path = MODEL_DIR) -> str:
     return h.hexdigest()
 
 
-def _cut(tok, doc: Doc, r: random.Random) -> tuple[str, tuple[int, int] | None]:
-    """Cut ``doc`` to at most MAX_TOKENS tokens; a positive's window contains its injection."""
+def _cut(tok, doc: Doc, r: random.Random, max_tokens: int) -> tuple[str, tuple[int, int] | None]:
+    """Cut ``doc`` to at most ``max_tokens`` tokens (0: FULL_CAP); a positive's window contains its injection."""
     enc = tok(doc.text, add_special_tokens=False, return_offsets_mapping=True)
     offs = enc["offset_mapping"]
     n = len(offs)
-    if n <= MAX_TOKENS:
+    limit = max_tokens or FULL_CAP
+    if n <= limit:
         s = 0
     elif doc.span is None:
-        s = r.randint(0, n - MAX_TOKENS)
+        s = r.randint(0, n - limit)
     else:
         ta = next(i for i, (a, b) in enumerate(offs) if b > doc.span[0])
         tb = next((i for i, (a, b) in enumerate(offs) if a >= doc.span[1]), n)
-        lo, hi = (max(0, tb - MAX_TOKENS), min(ta, n - MAX_TOKENS)) if tb - ta <= MAX_TOKENS else (ta, ta)
+        lo, hi = (max(0, tb - limit), min(ta, n - limit)) if tb - ta <= limit else (ta, ta)
         s = r.randint(lo, max(lo, hi))
-    e = min(n, s + MAX_TOKENS)
+    e = min(n, s + limit)
     c0, c1 = offs[s][0], offs[e - 1][1]
     span = None if doc.span is None else (max(doc.span[0], c0) - c0, min(doc.span[1], c1) - c0)
     return doc.text[c0:c1], span
@@ -103,14 +124,14 @@ def _token_span(tok, text: str, span: tuple[int, int]) -> tuple[int, int]:
     return (inside[0], inside[-1] + 1) if inside else (0, 0)
 
 
-def make_samples(tok, docs: list[Doc], split: str, r: random.Random) -> list[Sample]:
+def make_samples(tok, docs: list[Doc], split: str, r: random.Random, plan: Plan) -> list[Sample]:
     pool = [d for d in docs if d.label in ("injection", "benign")]
     r.shuffle(pool)
-    n_inj, n_ben = SAMPLE[split]
+    n_inj, n_ben = plan.sample[split]
     chosen = [d for d in pool if d.label == "injection"][:n_inj] + [d for d in pool if d.label == "benign"][:n_ben]
     out = []
     for d in chosen:
-        text, span = _cut(tok, d, r)
+        text, span = _cut(tok, d, r, plan.max_tokens)
         inj = _token_span(tok, text, span) if span is not None else None
         out.append(Sample(text, int(d.label == "injection"), d.source, r.randrange(len(PREFIXES)), inj))
     return out
@@ -160,10 +181,11 @@ class Split:
     samples: list[Sample]
     states: np.ndarray  # [total_tokens, n_layers, d] float16
     offsets: np.ndarray  # [n_docs + 1]
+    layers: tuple[int, ...]
 
     def hidden(self, i: int) -> dict[int, np.ndarray]:
         s = self.states[self.offsets[i] : self.offsets[i + 1]]
-        return {layer: s[:, j].astype(np.float32) for j, layer in enumerate(CANDIDATE_LAYERS)}
+        return {layer: s[:, j].astype(np.float32) for j, layer in enumerate(self.layers)}
 
     @property
     def y(self) -> np.ndarray:
@@ -171,11 +193,12 @@ class Split:
 
 
 def extract(ex: Extractor, name: str, samples: list[Sample]) -> Split:
-    key = hashlib.sha256(json.dumps([[s.text, s.prefix] for s in samples] + [CANDIDATE_LAYERS, PREFIXES]).encode()).hexdigest()[:16]
+    layers = tuple(ex.layers)
+    key = hashlib.sha256(json.dumps([[s.text, s.prefix] for s in samples] + [list(layers), PREFIXES]).encode()).hexdigest()[:16]
     path = CACHE_DIR / f"{name}-{key}.npz"
     if path.is_file():
         with np.load(path) as z:
-            return Split(samples, z["states"], z["offsets"])
+            return Split(samples, z["states"], z["offsets"], layers)
     t0, cpu0 = time.time(), time.process_time()
     chunks = [ex.states(s.text, s.prefix) for s in samples]
     offsets = np.concatenate([[0], np.cumsum([c.shape[0] for c in chunks])])
@@ -184,7 +207,7 @@ def extract(ex: Extractor, name: str, samples: list[Sample]) -> Split:
     np.savez(path, states=states, offsets=offsets)
     log.info("extracted", split=name, docs=len(samples), tokens=int(offsets[-1]), wall_s=round(time.time() - t0, 1),
              cpu_s=round(time.process_time() - cpu0, 1))
-    return Split(samples, states, offsets)
+    return Split(samples, states, offsets, layers)
 
 
 # ------------------------------------------------------------------------------- probe fitting
@@ -262,20 +285,24 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bipia", type=Path, default=BIPIA_DIR)
     ap.add_argument("--out", type=Path, default=PROBE_PATH)
+    ap.add_argument("--full", action="store_true", help="train and calibrate on whole documents (plan FULL)")
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
+    plan = FULL if args.full else CUT
     t0, cpu0 = time.time(), time.process_time()
     corpus = build_corpus(args.bipia, 3000, 5000)  # train_injection's defaults: identical splits
     _check_same_data(corpus)
-    ex = Extractor()
+    ex = Extractor(layers=plan.layers, threads=args.threads)
     r = random.Random(SEED + 7)
-    splits = {name: extract(ex, name, make_samples(ex.tok, corpus[name], name, r)) for name in ("train", "dev", "test")}
+    splits = {name: extract(ex, f"{plan.name}-{name}", make_samples(ex.tok, corpus[name], name, r, plan))
+              for name in ("train", "dev", "test")}
     extract_cpu = time.process_time() - cpu0
     train, dev, test = splits["train"], splits["dev"], splits["test"]
 
     # Selection on dev only: every (layers, window, l2) by dev recall at 1% and 5% FPR, then AUC.
     grid = []
-    for layers in GRID_LAYERS:
-        for window in GRID_WINDOWS:
+    for layers in plan.grid_layers:
+        for window in plan.grid_windows:
             x, y = _train_windows(train, layers, window)
             for l2 in GRID_L2:
                 m = _metrics(doc_logits(_probe(layers, window, fit_logreg(x, y, l2)), dev), dev.y)
@@ -289,8 +316,8 @@ def main(argv: list[str] | None = None) -> dict:
     platt = fit_platt(dev_logit, dev.y.astype(float))
     identity = model_identity()
     meta = {"layers": list(layers), "hidden_size": int(fitted[0].size // len(layers)), "window": window, "stride": window // 2,
-            "intercept": fitted[3], "platt": list(platt), "model_identity": identity, "seed": SEED, "max_tokens": MAX_TOKENS,
-            "sample": SAMPLE, "prefixes": PREFIXES, "l2": best["l2"], "train_windows": int(len(y)),
+            "intercept": fitted[3], "platt": list(platt), "model_identity": identity, "seed": SEED, "plan": plan.name,
+            "max_tokens": plan.max_tokens or FULL_CAP, "sample": plan.sample, "prefixes": PREFIXES, "l2": best["l2"], "train_windows": int(len(y)),
             "train_positive_windows": int(y.sum())}
     probe = _probe(layers, window, fitted, platt, identity, meta)
 

@@ -118,3 +118,37 @@ def test_injected_tool_result_scores_higher_than_benign(probe: InjectionProbe, s
         clean, attacked = probe.score(states(text)), probe.score(states(injected))
         assert attacked > clean, (clean, attacked)
         assert attacked > 0.5
+
+
+def test_cached_window_features_give_the_probe_logit(probe: InjectionProbe) -> None:
+    """eval_full scores documents from cached window means; that must be probe.logit exactly."""
+    from gate.train.eval_full import probe_logit
+
+    for n in (5, 16, 150):
+        hidden = {k: v * 20 for k, v in _random_hidden(probe, n, seed=n + 1).items()}
+        feats = window_features(hidden, probe.layers, probe.window, probe.stride)
+        assert probe_logit(probe, feats) == pytest.approx(probe.logit(hidden), rel=1e-5, abs=1e-4)
+
+
+def test_gate_eval_with_probe_scores_the_stack(tmp_path: Path, monkeypatch, real_model) -> None:
+    from typer.testing import CliRunner
+
+    import gate.train.eval_full as eval_full
+    from gateway.cli import app as cli
+
+    monkeypatch.setattr(eval_full, "CACHE_DIR", tmp_path / "features")
+    rows = [json.loads(x) for x in (REPO / "gate" / "data" / "dev.jsonl").read_text().splitlines()]
+    picked = [r for r in rows if r["label"] == "injection"][:3] + [r for r in rows if r["label"] == "benign"][:3]
+    data = tmp_path / "six.jsonl"
+    data.write_text("".join(json.dumps({**r, "text": r["text"][:600]}) + "\n" for r in picked))
+    runner = CliRunner()
+    first = runner.invoke(cli, ["gate", "eval", "--data", str(data), "--probe", "--json"])
+    assert first.exit_code == 0, first.output
+    result = json.loads(first.stdout)
+    assert result["injection_scorer"] == "stack(probe, byte gate)" and result["documents"] == 6
+    assert result["injection"]["positives"] == 3 and 0.0 <= result["injection"]["roc_auc"] <= 1.0
+    assert "note" not in result  # the model ran
+    again = json.loads(runner.invoke(cli, ["gate", "eval", "--data", str(data), "--probe", "--json"]).stdout)
+    assert again["injection"]["roc_auc"] == result["injection"]["roc_auc"] and "cached" in again["note"]
+    plain = json.loads(runner.invoke(cli, ["gate", "eval", "--data", str(data), "--json"]).stdout)
+    assert plain["injection_scorer"] == "byte gate"
