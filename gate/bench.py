@@ -5,6 +5,7 @@ logs, READMEs, tables), concatenated to ``megabytes`` MB. Measured on one thread
   * rules layer MB/s: secret rules (Hyperscan pass + confirmation) and the injection rule
     screen (Hyperscan pass), the part that must keep up at >= 100 MB/s;
   * learned layer MB/s and tokens/s (tokens = ``\\w+|[^\\w\\s]`` pieces, about 1 per 4 bytes);
+  * the hidden-state probe's read-out tokens/s (its states come with the prefill);
   * full ``Gate.scan`` p50/p99 latency on 4 KB and 64 KB results;
   * secret findings on the benign corpus (false positives per 10 MB).
 """
@@ -13,11 +14,14 @@ from __future__ import annotations
 
 import random
 import re
+import sys
 import time
+from functools import partial
 
 import numpy as np
 
 from .core import Gate
+from .probe import InjectionProbe
 from .train import synth
 
 _TOKEN = re.compile(rb"\w+|[^\w\s]")
@@ -48,7 +52,7 @@ def _best_of(fn, repeats: int = 3) -> float:
 
 
 def run_gate_bench(*, megabytes: int = 10, progress: bool = True) -> dict:
-    say = print if progress else (lambda *a, **k: None)
+    say = partial(print, file=sys.stderr) if progress else (lambda *a, **k: None)
     gate = Gate()
     corpus = benign_corpus(megabytes)
     mb = len(corpus) / 1e6
@@ -67,6 +71,8 @@ def run_gate_bench(*, megabytes: int = 10, progress: bool = True) -> dict:
     learned_s = _best_of(lambda: [scorer.best_window(b) for b in blocks], repeats=2)
     tokens = len(_TOKEN.findall(corpus))
     say(f"learned layer: {mb / learned_s:.1f} MB/s")
+    probe_tokens_s = _probe_readout_tokens_s()
+    say(f"probe read-out: {probe_tokens_s:.0f} tokens/s")
     secret_fps = [f.rule_id for b in _chunks(corpus, 64 << 10) for f in gate.secrets.scan(b)]
     latency = {}
     for label, size, n in (("4kb", 4 << 10, 300), ("64kb", 64 << 10, 100)):
@@ -85,12 +91,22 @@ def run_gate_bench(*, megabytes: int = 10, progress: bool = True) -> dict:
         "secrets_only_mb_s": round(mb / secrets_s, 1),
         "learned_layer_mb_s": round(mb / learned_s, 2),
         "learned_layer_tokens_s": round(tokens / learned_s),
+        "probe_readout_tokens_s": round(probe_tokens_s),
+        "probe_readout_note": "cost of scoring hidden states the staged prefill already computed",
         "secret_false_positives": len(secret_fps),
         "secret_false_positives_per_10mb": round(len(secret_fps) / mb * 10, 2),
         "secret_false_positive_rules": sorted(set(secret_fps)),
         "latency": latency,
         "threads": 1,
     }
+
+
+def _probe_readout_tokens_s(tokens: int = 4096) -> float:
+    """The hidden-state probe's own cost: states come free with the prefill, the read-out does not."""
+    probe = InjectionProbe.load()
+    rng = np.random.default_rng(0)
+    hidden = {layer: rng.standard_normal((tokens, probe.hidden_size)).astype(np.float32) for layer in probe.layers}
+    return tokens / _best_of(lambda: probe.score(hidden), repeats=5)
 
 
 if __name__ == "__main__":
