@@ -11,13 +11,26 @@ import sys
 import structlog
 
 
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is when a record is emitted, not when logging was set up:
+    a CLI runner (or a test harness) may swap the stream and close it while threads still log."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> object:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: object) -> None:
+        pass
+
+
 def configure_logging(level: str = "info", json: bool | None = None) -> None:
     if json is None:
         json = not sys.stderr.isatty()
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
     )
-    logging.basicConfig(format="%(message)s", stream=sys.stderr, level=level.upper(), force=True)
+    logging.basicConfig(format="%(message)s", handlers=[_StderrHandler()], level=level.upper(), force=True)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

@@ -24,3 +24,24 @@ def test_bench_readable_lines_name_every_value():
     lines = dict(line.split(": ", 1) for line in result.stdout.strip().splitlines())
     assert float(lines["embedded.p50_us"]) > 0
     assert "opa.skipped" in lines
+
+
+def test_logging_follows_the_current_stderr(capsys):
+    """Logging set up under a swapped stream (as a CLI runner does) keeps working once it is closed."""
+    import io
+    import sys
+
+    import structlog
+
+    from gateway.logging import configure_logging
+
+    real, swapped = sys.stderr, io.StringIO()
+    sys.stderr = swapped
+    try:
+        configure_logging("info", json=True)
+    finally:
+        sys.stderr = real
+    swapped.close()
+    structlog.get_logger("cli-test").info("still.logged", n=1)
+    err = capsys.readouterr().err
+    assert '"event": "still.logged"' in err and "Logging error" not in err
