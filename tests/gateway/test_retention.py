@@ -10,20 +10,24 @@ from gateway.demo import CONFIG_FILE, WEB_PAGE
 pytestmark = pytest.mark.model
 
 
-def test_expired_secret_is_forgotten_by_the_sweeper(live_gateway):
+def _tool_turn(http, task: str, tool: str, content: str) -> tuple[list[dict], str, str]:
+    """One turn whose last message is a tool result: (messages, session id, the tool result's action)."""
     messages = [
-        {"role": "system", "content": "You are a deploy assistant."},
-        {"role": "user", "content": "check the env file"},
+        {"role": "user", "content": task},
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "r1", "type": "function", "function": {"name": "read_file", "arguments": "{}"}}]},
-        {"role": "tool", "tool_call_id": "r1", "content": CONFIG_FILE},
+            {"id": "t1", "type": "function", "function": {"name": tool, "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": content},
     ]
+    response = http.post("/v1/chat/completions", json={"model": "m", "messages": messages, "max_tokens": 2})
+    assert response.status_code == 200, response.text
+    return messages, response.headers["x-lethe-session"], response.json()["lethe"]["actions"][0]["action"]
+
+
+def test_expired_secret_is_forgotten_by_the_sweeper(live_gateway):
     gw = live_gateway.state.gateway
     with live_gateway.client() as http:
-        response = http.post("/v1/chat/completions", json={"model": "m", "messages": messages, "max_tokens": 2})
-        assert response.status_code == 200, response.text
-        sid = response.headers["x-lethe-session"]
-        assert response.json()["lethe"]["actions"][0]["action"] == "allow"  # the demo tenant admits secrets
+        messages, sid, action = _tool_turn(http, "check the env file", "read_file", CONFIG_FILE)
+        assert action == "allow"  # the demo tenant admits secrets
         before = http.get(f"/v1/sessions/{sid}/segments").json()["segments"]
         assert before[-1]["data_class"] == "secret" and before[-1]["state"] == "live"
 
@@ -45,18 +49,10 @@ def test_expired_secret_is_forgotten_by_the_sweeper(live_gateway):
 
 
 def test_expired_quarantine_loses_its_content_but_keeps_its_stub(live_gateway):
-    messages = [
-        {"role": "user", "content": "summarise this page"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "w1", "type": "function", "function": {"name": "web_fetch", "arguments": "{}"}}]},
-        {"role": "tool", "tool_call_id": "w1", "content": WEB_PAGE},
-    ]
     gw = live_gateway.state.gateway
     with live_gateway.client() as http:
-        response = http.post("/v1/chat/completions", json={"model": "m", "messages": messages, "max_tokens": 2})
-        assert response.status_code == 200, response.text
-        sid = response.headers["x-lethe-session"]
-        assert response.json()["lethe"]["actions"][0]["action"] == "quarantine"
+        _, sid, action = _tool_turn(http, "summarise this page", "web_fetch", WEB_PAGE)
+        assert action == "quarantine"
         quarantined = http.get(f"/v1/sessions/{sid}/segments").json()["segments"][-1]
         assert gw.p.ledger.content.exists(quarantined["content_sha256"])
         digest = http.get(f"/v1/sessions/{sid}").json()["cache_digest"]
