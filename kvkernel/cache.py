@@ -40,7 +40,9 @@ from kvkernel.witness import AmortizeWitness, ForgetWitness, divergence, env_fin
 
 log = structlog.get_logger(__name__)
 
-KERNEL_VERSION = "kvkernel/1.0 canonical-tiles"
+# Part of every witness: bump it whenever the canonical computation (and so the bits) changes.
+# 1.1: decode at M = 2 in the (W x^T)^T form, few-row attention, logits one row at a time.
+KERNEL_VERSION = "kvkernel/1.1 canonical-tiles"
 _INITIAL_CAPACITY = 256
 _WITNESS_MODES = ("full", "deferred", "none")
 
