@@ -90,11 +90,7 @@ def run_kernel_bench(model: Model, *, context: int = 2000, span: int = 300, deco
     forget_90 = forgets["90%"]["forget_s"]
     result = {
         "model": model.name,
-        "model_identity": model.identity,
-        "device": str(model.device),
-        "dtype": str(model.dtype).removeprefix("torch."),
-        "kernel_version": kernel.version,
-        "tile": kernel.tile,
+        **kernel.provenance(),
         "context": len(tokens),
         "span": span,
         "span_placement": "centred at 10%, 50% and 90% of the context",

@@ -110,6 +110,11 @@ class Kernel:
     def new_cache(self) -> KVCache:
         return KVCache(self)
 
+    def provenance(self) -> dict[str, Any]:
+        """The model, device, dtype, kernel version and tile every witness records."""
+        return {"model_identity": self.model.identity, "device": str(self.model.device),
+                "dtype": str(self.model.dtype).removeprefix("torch."), "kernel_version": self.version, "tile": self.tile}
+
     def close(self) -> None:
         """Wait for pending deferred witnesses and stop the worker."""
         self._executor.shutdown(wait=True)
@@ -453,11 +458,7 @@ class KVCache:
             positional_max_abs_err_f64=err64,
             positional_ok=err32 == 0.0 and err64 <= tol64,
             probe_positions=edited.shape[0],
-            model_identity=k.model.identity,
-            device=str(k.model.device),
-            dtype=str(k.model.dtype).removeprefix("torch."),
-            kernel_version=k.version,
-            tile=k.tile,
+            **k.provenance(),
             **divergence(edited, reference),
         )
 
@@ -505,11 +506,7 @@ def forget_witness(kernel: Kernel, edited: KVCache, spans: list[tuple[int, int]]
         survivors_sha256=tokens_sha256(edited._tokens),
         tokens=n,
         spans=spans,
-        model_identity=kernel.model.identity,
-        device=str(kernel.model.device),
-        dtype=str(kernel.model.dtype).removeprefix("torch."),
-        kernel_version=kernel.version,
-        tile=kernel.tile,
+        **kernel.provenance(),
     )
 
 

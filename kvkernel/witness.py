@@ -51,8 +51,20 @@ def env_fingerprint() -> dict[str, Any]:
     return info
 
 
+@dataclass(kw_only=True)
+class Provenance:
+    """What produced a witness: a verifier compares only witnesses with the same provenance."""
+
+    model_identity: str
+    device: str
+    dtype: str
+    kernel_version: str
+    tile: int
+    env: dict[str, Any] = field(default_factory=env_fingerprint)
+
+
 @dataclass
-class ForgetWitness:
+class ForgetWitness(Provenance):
     """Edited cache vs a fresh prefill of the surviving tokens ("never saw the spans")."""
 
     equal: bool
@@ -65,12 +77,6 @@ class ForgetWitness:
     survivors_sha256: str
     tokens: int
     spans: list[tuple[int, int]]
-    model_identity: str
-    device: str
-    dtype: str
-    kernel_version: str
-    tile: int
-    env: dict[str, Any] = field(default_factory=env_fingerprint)
     kind: str = "never-saw"
 
     def to_dict(self) -> dict[str, Any]:
@@ -80,7 +86,7 @@ class ForgetWitness:
 
 
 @dataclass
-class AmortizeWitness:
+class AmortizeWitness(Provenance):
     """What a Leyline splice does and does not preserve. ``never_saw`` is always False.
 
     The positional check compares the re-rotated downstream keys with a fresh rotation of their
@@ -99,12 +105,6 @@ class AmortizeWitness:
     argmax_agreement: float
     max_abs_dlogits: float
     probe_positions: int
-    model_identity: str
-    device: str
-    dtype: str
-    kernel_version: str
-    tile: int
-    env: dict[str, Any] = field(default_factory=env_fingerprint)
     kind: str = "amortize"
     never_saw: bool = False
     note: str = "amortize is NOT erasure: downstream tokens keep K/V computed while the span was present"

@@ -25,10 +25,9 @@ import numpy as np
 from tqdm import tqdm
 
 from gate.core import Gate
-from gate.evaluate import load_rows
+from gate.evaluate import load_rows, recall_at_fpr, roc_auc, scan_rows
 from gate.probe import InjectionProbe, window_features
 from gate.train.train_probe import CACHE_DIR, PREFIXES, Extractor
-from gate.train.train_injection import recall_at_fpr, roc_auc
 
 
 def window_table(extractor: Callable[[], Extractor], texts: list[str], layers: tuple[int, ...], window: int,
@@ -94,8 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     rows = load_rows(args.data)
     started = time.time()
-    gate = Gate()
-    byte = np.array([gate.scan(r["text"].encode()).injection for r in rows])
+    byte = scan_rows(rows, Gate())[0]["injection"]
     probe_p, stack, _ = stack_scores(rows, byte, name=args.data.stem, threads=args.threads)
     result = evaluate(rows, byte, probe_p, stack)
     result.update(data=str(args.data), seconds=round(time.time() - started, 1))

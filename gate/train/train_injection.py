@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import structlog
 
+from gate.evaluate import recall_at_fpr, roc_auc
 from gate.learned import BITS, NGRAMS, WINDOW, WEIGHTS_PATH, NgramScorer, ngram_ids
 from gate.train import synth
 
@@ -216,26 +217,6 @@ def fit_platt(logits: np.ndarray, y: np.ndarray, iters: int = 2000) -> tuple[flo
         if abs(da) + abs(dc) < 1e-10:
             break
     return float(a), float(c)
-
-
-def recall_at_fpr(scores: np.ndarray, y: np.ndarray, fpr: float = 0.01) -> float:
-    neg = np.sort(scores[y == 0])[::-1]
-    if neg.size == 0:
-        return float("nan")
-    k = int(np.floor(fpr * neg.size))
-    thr = neg[k] if k < neg.size else -np.inf
-    return float((scores[y == 1] > thr).mean())
-
-
-def roc_auc(scores: np.ndarray, y: np.ndarray) -> float:
-    order = np.argsort(scores, kind="mergesort")
-    ranks = np.empty(len(scores))
-    ranks[order] = np.arange(1, len(scores) + 1)
-    for val in np.unique(scores):  # average ties
-        idx = scores == val
-        ranks[idx] = ranks[idx].mean()
-    n1, n0 = (y == 1).sum(), (y == 0).sum()
-    return float((ranks[y == 1].sum() - n1 * (n1 + 1) / 2) / (n1 * n0)) if n1 and n0 else float("nan")
 
 
 def _doc_logits(scorer: NgramScorer, docs: list[Doc]) -> np.ndarray:

@@ -31,7 +31,8 @@ import structlog
 from gate.core import Gate
 from gate.learned import NgramScorer
 from gate.probe import PROBE_PATH, InjectionProbe, _logit, window_features
-from gate.train.train_injection import BIPIA_DIR, DATA_DIR, SEED, Doc, build_corpus, fit_platt, recall_at_fpr, roc_auc
+from gate.evaluate import recall_at_fpr, roc_auc
+from gate.train.train_injection import BIPIA_DIR, DATA_DIR, SEED, Doc, build_corpus, fit_platt
 
 log = structlog.get_logger(__name__)
 
