@@ -12,12 +12,13 @@ pure function of ``tokens[0..p]`` on this environment, which :class:`Kernel` sel
 start-up. Forget truncates at the first span and re-prefills the survivors, so its result *is* a
 prefill of the survivors and equals a fresh one bit for bit; the witness checks it.
 
-CUDA: the same canonical shapes are used on a GPU and the start-up self-test runs there too, so
-a kernel that starts on CUDA has passed the chunked-vs-one-shot check on that device. What is not
-guaranteed on CUDA: that cuBLAS/SDPA pick the same algorithm for every shape the self-test did not
-cover (e.g. very long key lengths), and bit equality across GPU models, drivers or library
-versions. Witnesses record device, dtype and environment so a verifier can tell. On CPU the
-guarantee was measured for fp32 with MKL (torch 2.13); it is re-checked at every start.
+Which call shapes are canonical is chosen per machine (:mod:`kvkernel.calibrate`): the
+:class:`Kernel` picks the cheapest plan that passes every check here, caches it under the data
+dir keyed by an environment fingerprint, re-verifies a cached plan at every start, and records the
+plan's hash in every witness. CUDA selects its plan the same way, calibrating on the device with
+TF32 off in float32; that path has not been run on a GPU yet (none was available). Not covered on
+CUDA even then: bit equality across GPU models, drivers or library versions (the fingerprint
+names the GPU and CUDA version, so a new one recalibrates).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import hashlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -102,15 +104,19 @@ class Kernel:
 
     version = KERNEL_VERSION
 
-    def __init__(self, model: Model, *, tile: int = 16, plan: Plan | None = None, primitives: Primitives = TORCH) -> None:
-        """Load ``model`` and choose its canonical plan: calibrated here, or ``plan`` if forced.
+    def __init__(self, model: Model, *, tile: int = 16, plan: Plan | None = None, primitives: Primitives = TORCH,
+                 plan_dir: Path | None = None) -> None:
+        """Load ``model`` and choose its canonical plan: calibrated here (or cached under
+        ``plan_dir``, default ``$LETHE_DATA_DIR/kernel-plans``), or ``plan`` if forced.
 
         Either way the plan is verified on this machine before the kernel accepts any token;
         :class:`~kvkernel.errors.ExactnessError` if it (or, calibrating, every candidate) is not exact.
+        ``primitives`` replaces the GEMM and attention calls (tests inject quirky ones).
         """
         self.model = model
         self.tile = tile
-        self.calibration: Calibration = select_plan(Transformer(model, tile, plan or Plan("unset"), primitives), forced=plan)
+        probe = Transformer(model, tile, plan or Plan("uncalibrated"), primitives)
+        self.calibration: Calibration = select_plan(probe, forced=plan, plan_dir=plan_dir)
         self.transformer = Transformer(model, tile, self.calibration.plan, primitives)
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvkernel-witness")
 

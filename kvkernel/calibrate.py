@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from itertools import chain, islice
+from pathlib import Path
 from threading import Lock
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -31,8 +33,8 @@ from tqdm import tqdm
 
 from kvkernel.errors import ExactnessError
 from kvkernel.forward import Transformer, pin_threads
+from kvkernel import plan_cache
 from kvkernel.plan import PROJECTIONS, Form, Plan
-from kvkernel.witness import env_fingerprint
 
 Call = tuple[int, Form]  # (M, operand form) of one GEMM call
 
@@ -55,10 +57,14 @@ class Calibration:
     plan: Plan
     seconds: float
     rejected: list[dict[str, str]] = field(default_factory=list)
+    source: str = "calibrated"  # or "cache" (re-verified) or "forced" (verified)
+    path: str | None = None
+    fingerprint: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"plan": self.plan.to_dict(), "plan_sha256": self.plan.sha256,
-                "seconds": round(self.seconds, 2), "rejected": self.rejected}
+        return {"plan": self.plan.to_dict(), "plan_sha256": self.plan.sha256, "source": self.source,
+                "seconds": round(self.seconds, 2), "rejected": self.rejected, "path": self.path,
+                "fingerprint": self.fingerprint, "fingerprint_sha256": plan_cache.fingerprint_sha256(self.fingerprint)}
 
 
 class Checks:
@@ -144,59 +150,72 @@ def reference(plan: Plan) -> Call:
     return (plan.fixed_m, plan.small_form) if plan.fixed_m is not None else (plan.big_max, "linear")
 
 
-def linear_failures(checks: Checks, plan: Plan) -> list[str]:
-    """Every (projection, M, form) of ``plan`` whose rows differ from the reference call's."""
+def linear_failures(checks: Checks, plan: Plan, *, quick: bool = False) -> Iterator[str]:
+    """Each (projection, M, form) of ``plan`` whose rows differ from the reference call's, lazily."""
     ref = reference(plan)
-    return [f"{p}: M={m} ({form}) rows differ from M={ref[0]} ({ref[1]})"
-            for p in PROJECTIONS for m, form in plan.calls(p) if not checks.linear(p, (m, form), ref)]
+    bulk = [m for m in plan.sizes() if m > plan.mid_max]
+    skip = set(bulk[1:-2]) if quick else set()
+    return (f"{p}: M={m} ({form}) rows differ from M={ref[0]} ({ref[1]})"
+            for p in PROJECTIONS for m, form in plan.calls(p) if m not in skip and not checks.linear(p, (m, form), ref))
 
 
-def attention_failures(checks: Checks, plan: Plan) -> list[str]:
-    """Every rows-alone call size of ``plan`` that differs from a whole tile (none if tiles only)."""
+def attention_failures(checks: Checks, plan: Plan) -> Iterator[str]:
+    """Each rows-alone call size of ``plan`` that differs from a whole tile (none if tiles only)."""
     if plan.attention_min_rows is None:
-        return []
+        return iter(())
     tf = checks.tf
     groups = tf.shape.heads // tf.shape.kv_heads
     calls = [(n, max(plan.attention_min_rows, groups * n)) for n in range(1, min(tf.tile, plan.attention_max_rows // groups) + 1)]
-    return [f"attention: {n} position(s) alone in {r} query rows at key length {length} differ from a whole tile"
-            for length in checks.attention_lengths() for n, r in calls if not checks.attention(n, r, length)]
+    return (f"attention: {n} position(s) alone in {r} query rows at key length {length} differ from a whole tile"
+            for length in checks.attention_lengths() for n, r in calls if not checks.attention(n, r, length))
 
 
 def sequence_failures(tf: Transformer) -> list[str]:
-    """Prefill at once vs in pieces vs token by token, and a big block vs two smaller ones."""
+    """A sequence prefilled at once (a bulk block) equals it in pieces (small and mid blocks) and fed token
+    by token (at the start and across a tile boundary), K, V and final hidden states bit for bit.
+
+    Single tokens are few on purpose: each is a full pass through every layer, and on a loaded
+    machine those many small calls dominate the calibration time.
+    """
     gen = torch.Generator().manual_seed(7)
-    n = 2 * tf.tile + 8
-    tokens = torch.randint(0, tf.shape.vocab, (max(n, 240),), generator=gen).tolist()
-    once = _prefill(tf, [tokens[:n]])
+    t = tf.tile
+    tokens = torch.randint(0, tf.shape.vocab, (tf.plan.big_min + t,), generator=gen).tolist()
+    kv, hidden = _prefill(tf, [tokens])
     failures = []
-    for name, chunks in (("pieces", [tokens[:3], tokens[3 : tf.tile + 2], tokens[tf.tile + 2 : n]]),
-                         ("token by token", [[t] for t in tokens[:n]])):
-        if not _same(once, _prefill(tf, chunks)):
-            failures.append(f"a sequence prefilled at once differs from the same sequence {name}")
-    if not _same(_prefill(tf, [tokens[:240]]), _prefill(tf, [tokens[:200], tokens[200:240]])):
-        failures.append("a 240-token block differs from the same rows as 200 + 40")
+    if not _same((kv[:, :, :, :120], hidden[:120]), _prefill(tf, [tokens[:3], tokens[3:20], tokens[20:120]])):
+        failures.append(f"a sequence prefilled at once ({len(tokens)} rows, one bulk block) differs from its first "
+                        "120 tokens in pieces of 3, 17 and 100")
+    short = 2 * t + 8
+    singles = [[x] for x in tokens[:4]] + [tokens[4 : t - 2]] + [[x] for x in tokens[t - 2 : t + 2]] + [tokens[t + 2 : short]]
+    if not _same((kv[:, :, :, :short], hidden[:short]), _prefill(tf, singles)):
+        failures.append(f"the first {short} tokens prefilled at once differ from the same tokens fed one by one "
+                        f"(positions 0-3 and {t - 2}-{t + 1})")
     return failures
 
 
 def _prefill(tf: Transformer, chunks: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V rows and final hidden states of ``chunks`` fed one after another into a fresh cache."""
     total = sum(len(c) for c in chunks)
     s = tf.shape
     kv = torch.zeros(3, s.layers, s.kv_heads, tf.key_length(total + tf.tile), s.head_dim, device=tf.device, dtype=tf.dtype)
-    at, hidden = 0, None
+    hidden, at = [], 0
     for chunk in chunks:
-        hidden = tf.forward(kv, chunk, at)
+        hidden.append(tf.forward(kv, chunk, at))
         at += len(chunk)
-    assert hidden is not None
-    return kv[:, :, :, :total], hidden[-1]
+    return kv[:, :, :, :total], torch.cat(hidden)
 
 
 def _same(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-def verify(checks: Checks, plan: Plan) -> list[str]:
-    """Every reason ``plan`` is not exact here (empty when it is); cheap checks first."""
-    failures = linear_failures(checks, plan) or attention_failures(checks, plan)
+def verify(checks: Checks, plan: Plan, *, quick: bool = False, limit: int = 1) -> list[str]:
+    """Up to ``limit`` reasons ``plan`` is not exact here (empty when it is); cheap checks first.
+
+    ``quick`` (re-verifying a cached plan) checks every linear call of at most ``mid_max`` rows
+    but only the smallest and the two largest bulk blocks, which is where most of the time goes.
+    """
+    failures = list(islice(chain(linear_failures(checks, plan, quick=quick), attention_failures(checks, plan)), limit))
     return failures or sequence_failures(checks.tf.with_plan(plan))
 
 
@@ -205,33 +224,27 @@ def candidates(checks: Checks) -> Iterator[Plan]:
     attention = _attention_min_rows(checks)
     for (small_min, step), form in ((g, f) for g in SMALL_GRIDS for f in FORMS):
         plan = Plan(f"{form}-min{small_min}-step{step}", small_form=form, small_min=small_min, small_step=step)
-        if linear_failures(checks, replace(plan, mid_max=plan.small_max, big_min=plan.big_max, big_max=plan.big_max)):
-            continue  # its small blocks already fail; spare the mid-size checks
-        pieced = _with_pieces(checks, plan)
-        if pieced is not None:
-            yield from _attention_variants(pieced, attention)
+        plan = _with_pieces(checks, plan) or plan
+        if attention is not None:
+            yield replace(plan, attention_min_rows=attention)
+        if attention is None or next(linear_failures(checks, plan), None) is None:
+            yield replace(plan, attention_min_rows=None)  # in case rows alone pass alone but not in a model
     for m in FALLBACK_MS:
         for form in FORMS:
             yield Plan(f"fallback-m{m}-{form}", small_form=form, fixed_m=m, attention_min_rows=None)
-
-
-def _attention_variants(plan: Plan, attention: int | None) -> Iterator[Plan]:
-    if attention is not None:
-        yield replace(plan, attention_min_rows=attention)
-    yield replace(plan, attention_min_rows=None)
 
 
 def _attention_min_rows(checks: Checks) -> int | None:
     """The fewest query rows from which every rows-alone call size matches a whole tile."""
     plan = checks.tf.plan
     for n in range(1, plan.attention_max_rows + 1):
-        if not attention_failures(checks, replace(plan, attention_min_rows=n)):
+        if next(attention_failures(checks, replace(plan, attention_min_rows=n)), None) is None:
             return n
     return None
 
 
 def _with_pieces(checks: Checks, plan: Plan) -> Plan | None:
-    """``plan`` with pieces for each projection whose mid-size blocks fail, or None if none helps."""
+    """``plan`` with pieces for each projection whose blocks fail, or None if no piece size helps."""
     pieces = []
     for p in PROJECTIONS:
         ref = reference(plan)
@@ -268,26 +281,58 @@ _CHOSEN: dict[tuple[str, ...], Calibration] = {}
 _CHOSEN_LOCK = Lock()
 
 
-def select_plan(tf: Transformer, *, forced: Plan | None = None, progress: bool | None = None) -> Calibration:
-    """The plan for ``tf``'s model here: ``forced`` once verified, else the calibrated one.
-
-    Chosen once per process and environment; every kernel on the same model shares it.
-    """
-    key = (tf.model_identity, str(tf.device), str(tf.dtype), str(tf.tile), str(tf.threads), tf.primitives.name,
-           forced.sha256 if forced else "", env_fingerprint()["sha256"])
+def select_plan(tf: Transformer, *, forced: Plan | None = None, plan_dir: Path | None = None,
+                progress: bool | None = None) -> Calibration:
+    """:func:`choose_plan`, once per process and fingerprint: every kernel on the same shapes shares it."""
+    pin_threads(tf.threads)
+    fp = plan_cache.fingerprint(tf)
+    key = (plan_cache.fingerprint_sha256(fp), forced.sha256 if forced else "", tf.model_identity)
     with _CHOSEN_LOCK:
         if key not in _CHOSEN:
-            _CHOSEN[key] = _verified(tf, forced) if forced else calibrate(tf, progress=progress)
-            cal = _CHOSEN[key]
-            log.info("kvkernel.plan", plan=cal.plan.name, plan_sha256=cal.plan.sha256[:16], seconds=round(cal.seconds, 2),
-                     forced=forced is not None, rejected=len(cal.rejected), **cal.plan.to_dict())
+            _CHOSEN[key] = choose_plan(tf, forced=forced, plan_dir=plan_dir, progress=progress)
         return _CHOSEN[key]
+
+
+def choose_plan(tf: Transformer, *, forced: Plan | None = None, plan_dir: Path | None = None,
+                progress: bool | None = None) -> Calibration:
+    """``forced`` once verified; else the cached plan once re-verified; else a fresh calibration, cached.
+
+    The cache lives under ``plan_dir`` (default :func:`~kvkernel.plan_cache.default_plan_dir`).
+    """
+    pin_threads(tf.threads)
+    fp = plan_cache.fingerprint(tf)
+    path = plan_cache.cache_path(plan_dir or plan_cache.default_plan_dir(), fp)
+    cal = _verified(tf, forced) if forced else _cached(tf, path, fp) or _calibrated(tf, path, fp, progress)
+    cal.fingerprint = fp
+    log.info("kvkernel.plan", plan=cal.plan.name, plan_sha256=cal.plan.sha256[:16], source=cal.source,
+             seconds=round(cal.seconds, 2), rejected=len(cal.rejected), path=cal.path, **cal.plan.to_dict())
+    return cal
 
 
 def _verified(tf: Transformer, plan: Plan) -> Calibration:
     t0 = time.perf_counter()
-    failures = verify(Checks(tf.with_plan(plan)), plan)
+    failures = verify(Checks(tf.with_plan(plan)), plan, limit=5)
     if failures:
         raise ExactnessError(f"the forced plan {plan.name!r} is not exact in this environment ({'; '.join(failures[:5])}); "
                              f"let the kernel calibrate one (no forced plan), or {ADVICE}")
-    return Calibration(plan, time.perf_counter() - t0)
+    return Calibration(plan, time.perf_counter() - t0, source="forced")
+
+
+def _cached(tf: Transformer, path: Path, fp: dict[str, Any]) -> Calibration | None:
+    """The cached plan if it still passes a quick re-verification here, else None (logged)."""
+    plan = plan_cache.load(path, fp)
+    if plan is None:
+        return None
+    t0 = time.perf_counter()
+    failures = verify(Checks(tf.with_plan(plan)), plan, quick=True)
+    if failures:
+        log.warning("kvkernel.plan_cache.stale", path=str(path), reason=failures[0])
+        return None
+    return Calibration(plan, time.perf_counter() - t0, source="cache", path=str(path))
+
+
+def _calibrated(tf: Transformer, path: Path, fp: dict[str, Any], progress: bool | None) -> Calibration:
+    cal = calibrate(tf, progress=progress)
+    plan_cache.store(path, fp, cal.plan, cal.seconds)
+    cal.path = str(path)
+    return cal

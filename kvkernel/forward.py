@@ -98,6 +98,7 @@ class Transformer:
         if getattr(model.config, "sliding_window", None) and getattr(model.config, "use_sliding_window", True):
             if model.config.sliding_window < model.max_context:
                 raise ModelError("sliding-window attention is not supported; use a checkpoint with sliding_window=null")
+        exact_device_settings(model.device, model.dtype)
         self.tile = tile
         self.plan = plan
         self.primitives = primitives
@@ -306,6 +307,15 @@ def pinned_threads() -> int:
     not read from whatever torch.set_num_threads() last set, and the self-test runs under it."""
     override = os.environ.get("LETHE_KERNEL_THREADS")
     return int(override) if override else max(1, len(os.sched_getaffinity(0)))
+
+
+def exact_device_settings(device: torch.device, dtype: torch.dtype) -> None:
+    """On CUDA in float32, switch TF32 off (process-wide): TF32 rounds GEMM inputs to 10 mantissa
+    bits, so a float32 kernel would not compute float32 bits, and calibration would measure another
+    arithmetic than the one it promises. Calibration then runs on the device like on a CPU."""
+    if device.type == "cuda" and dtype == torch.float32:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
 
 
 def pin_threads(threads: int) -> None:

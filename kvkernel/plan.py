@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -160,3 +161,16 @@ TORCH = Primitives()
 # Known plans, tried first by calibration because they were measured fast somewhere.
 XEON = Plan("xeon", small_form="wxt", small_min=2, pieces=(("down", 48),), attention_min_rows=3)
 AMD = Plan("amd", small_form="linear", small_min=4, small_step=4, attention_min_rows=4)
+
+
+def named_plan(name: str) -> Plan:
+    """A plan to force by name (it is still verified at start): ``xeon``, ``amd`` or
+    ``fallback-m<M>[-linear|-wxt]`` (every linear call at M rows, every attention call a tile)."""
+    presets = {"xeon": XEON, "amd": AMD}
+    if name in presets:
+        return presets[name]
+    match = re.fullmatch(r"fallback-m(\d+)(?:-(linear|wxt))?", name)
+    if match is None or int(match[1]) < 1:
+        raise ValueError(f"unknown kernel plan {name!r}; use 'xeon', 'amd' or 'fallback-m<M>[-linear|-wxt]', or leave it unset to calibrate")
+    form: Form = "wxt" if match[2] == "wxt" else "linear"
+    return Plan(f"fallback-m{match[1]}-{form}", small_form=form, fixed_m=int(match[1]), attention_min_rows=None)
