@@ -131,8 +131,12 @@ def _model_and_settings():  # type: ignore[no-untyped-def]
 @kernel_app.command("plan")
 def kernel_plan(plan: PlanOption = None, json_out: JsonFlag = False) -> None:
     """The canonical plan for this machine and model: cached and re-verified, or calibrated now."""
+    from kvkernel import named_plan
+
     from .app import kernel_for
 
+    if plan:
+        named_plan(plan)  # refuse an unknown name before loading the model
     s, model = _model_and_settings()
     if plan:
         s = s.model_copy(update={"kernel_plan": plan})
@@ -150,10 +154,11 @@ def bench_kernel(context: int = 2000, span: int = 300, decode_tokens: int = 32, 
     from kvkernel import named_plan
     from kvkernel.bench import run_kernel_bench
 
+    name = plan or Settings().kernel_plan
+    forced = named_plan(name) if name else None  # refuse an unknown name before loading the model
     s, model = _model_and_settings()
-    forced = plan or s.kernel_plan
     _report(run_kernel_bench(model, context=context, span=span, decode_tokens=decode_tokens,
-                             plan=named_plan(forced) if forced else None, plan_dir=s.data_dir / "kernel-plans"), json_out)
+                             plan=forced, plan_dir=s.data_dir / "kernel-plans"), json_out)
 
 
 @bench_app.command("gate")

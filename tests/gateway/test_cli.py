@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from gateway.cli import app as cli
+from kvkernel import Plan
 
 
 def test_bench_json_prints_one_object():
@@ -45,3 +48,31 @@ def test_logging_follows_the_current_stderr(capsys):
     structlog.get_logger("cli-test").info("still.logged", n=1)
     err = capsys.readouterr().err
     assert '"event": "still.logged"' in err and "Logging error" not in err
+
+
+@pytest.mark.model
+def test_kernel_plan_json_names_the_verified_plan_and_its_cache(monkeypatch, tmp_path, model_cache_dir):
+    monkeypatch.setenv("LETHE_DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("LETHE_MODEL_CACHE_DIR", str(model_cache_dir))
+    result = CliRunner().invoke(cli, ["kernel", "plan", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["source"] in ("calibrated", "cache") and report["plan_sha256"] == Plan.from_dict(report["plan"]).sha256
+    assert report["fingerprint"]["threads"] >= 1 and report["fingerprint"]["linear_shapes"]["qkv"] == [960, 576]
+    cached = json.loads(Path(report["path"]).read_text())
+    assert cached["plan_sha256"] == report["plan_sha256"]
+
+
+@pytest.mark.model
+def test_kernel_plan_can_be_forced_and_is_still_verified(monkeypatch, model_cache_dir):
+    monkeypatch.setenv("LETHE_MODEL_CACHE_DIR", str(model_cache_dir))
+    result = CliRunner().invoke(cli, ["kernel", "plan", "--plan", "fallback-m64", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["source"] == "forced" and report["plan"]["fixed_m"] == 64 and report["plan"]["attention_min_rows"] is None
+
+
+def test_an_unknown_plan_name_is_refused_with_the_choices():
+    result = CliRunner().invoke(cli, ["bench", "kernel", "--plan", "fastest", "--json"])
+    assert result.exit_code != 0
+    assert "unknown kernel plan 'fastest'" in str(result.exception) and "fallback-m<M>" in str(result.exception)
