@@ -218,3 +218,21 @@ def test_real_calibration_at_each_thread_count_gives_exact_forget_smollm2(thread
     assert got["source"] == "calibrated" and got["equal"] and got["max"] == [0.0, 0.0, 0.0]
     again = _probe("real", threads, tmp_path, model_cache_dir)
     assert again["source"] == "cache" and again["plan"] == got["plan"]
+
+
+def test_plans_can_be_named_and_unknown_names_are_refused():
+    from kvkernel import named_plan
+
+    assert named_plan("amd") == AMD and named_plan("xeon") == XEON
+    fallback = named_plan("fallback-m64")
+    assert fallback.fixed_m == 64 and fallback.small_form == "linear" and fallback.attention_min_rows is None
+    assert fallback.blocks(130) == [(64, 64), (64, 64), (2, 64)] and fallback.sizes() == [64]
+    assert named_plan("fallback-m16-wxt").form(16) == "wxt"
+    for bad in ("fastest", "fallback-m0", "fallback-m16-gemv"):
+        with pytest.raises(ValueError, match="unknown kernel plan"):
+            named_plan(bad)
+
+
+def test_plan_hash_is_stable_and_changes_with_any_field():
+    assert Plan.from_dict(AMD.to_dict()) == AMD and Plan.from_dict(XEON.to_dict()).sha256 == XEON.sha256
+    assert replace(AMD, attention_min_rows=5).sha256 != AMD.sha256 != replace(AMD, small_step=2).sha256
