@@ -39,8 +39,10 @@ def _record(i: int) -> dict[str, Any]:
         "decision": {"action": "forget", "reasons": ["secret"], "bundle_hash": "b" * 64},
         "actor": "bench",
         "witness": {
-            "never_saw": True, "equal": True, "max_abs_dk": 0.0, "max_abs_dv": 0.0, "max_abs_dlogits": 0.0,
-            "digest_edited": "d" * 64, "digest_reference": "d" * 64,
+            "kind": "never-saw", "equal": True, "argmax_equal": True,
+            "max_abs_dk": 0.0, "max_abs_dv": 0.0, "max_abs_dlogits": 0.0,
+            "digest_edited": "d" * 64, "digest_reference": "d" * 64, "survivors_sha256": "e" * 64,
+            "tokens": 4096, "spans": [[i % 4096, i % 4096 + 37]],
         },
     }
 

@@ -1,7 +1,7 @@
 """What an audit record may hold, its canonical bytes, and the witness rules. Pure: stdlib + rfc8785.
 
-The log and the offline verifier both import this module, so "valid record" and "honest witness"
-mean the same thing on both sides. The leaf a record hashes to is RFC 9162's
+The log and the offline verifier both import this module (and ``rules``, the witness rules), so
+"valid record" and "honest witness" mean the same thing on both sides. The leaf a record hashes to is RFC 9162's
 SHA-256(0x00 || JCS(body)), where JCS is RFC 8785: every verifier hashes the same bytes.
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 import rfc8785
 
 from .errors import AuditError
+from .rules import ERASURE_KINDS, witness_errors
 
 __all__ = [
     "AuditRecord",
@@ -23,6 +24,7 @@ __all__ = [
     "KINDS",
     "body_errors",
     "canonical",
+    "canonical_parsed",
     "format_time",
     "parse_time",
     "rotation_message",
@@ -31,9 +33,9 @@ __all__ = [
 ]
 
 KINDS = frozenset({"forget", "quarantine", "amortize", "retention-forget", "policy-bundle", "key-rotation"})
-ERASURE_KINDS = frozenset({"forget", "retention-forget", "quarantine"})  # amortize is explicitly not an erasure
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+_TIME = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{6}Z")
 _STR_FIELDS = ("tenant", "session", "segment_id", "actor")
 _DICT_FIELDS = ("gate", "witness", "key")
 ROTATION_FIELDS = ("origin", "old_key_id", "old_key_name", "new_key_id", "new_key_name", "new_public_key")
@@ -54,6 +56,27 @@ def canonical(body: Mapping[str, Any]) -> bytes:
         return rfc8785.dumps(body)
     except rfc8785.CanonicalizationError as e:
         raise AuditError(f"audit record is not canonical JSON ({e}); use str, int (< 2**53), float, bool, list, dict") from e
+
+
+# Where Python's compact, sorted json.dumps may spell a value differently from RFC 8785: an
+# integral float ("1.0" vs "1"), an exponent ("1e-07" vs "1e-7"), an integer past 2**53 (refused
+# by RFC 8785), each right after the ':', ',' or '[' that starts a number. A match inside a string
+# only costs the slow path.
+_JCS_MAY_DIFFER = re.compile(r"[:,\[]-?[0-9]+(?:\.0[,\]}]|[.0-9]*[eE])|[:,\[]-?[0-9]{16}")
+
+
+def canonical_parsed(body: Mapping[str, Any]) -> bytes:
+    """``canonical(body)`` for a body that ``json.loads`` produced, about 4x faster.
+
+    For such a body (str keys, JSON types only) that is all ASCII, ``json.dumps(sort_keys=True,
+    separators=(",", ":"))`` escapes strings and orders keys as RFC 8785 does; numbers are the
+    only difference, and any number that could be spelt differently sends the body to the
+    RFC 8785 encoder (``_JCS_MAY_DIFFER``). A test compares both on random JSON.
+    """
+    fast = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    if fast.isascii() and not _JCS_MAY_DIFFER.search(fast):
+        return fast.encode()
+    return canonical(body)
 
 
 def _has_content(value: Any) -> bool:
@@ -79,38 +102,14 @@ def _type_errors(body: Mapping[str, Any]) -> list[str]:
         errors.append("'token_count' must be a non-negative integer")
     if "content_sha256" in body and not (isinstance(body["content_sha256"], str) and _SHA256_HEX.fullmatch(body["content_sha256"])):
         errors.append("'content_sha256' must be 64 lowercase hex digits")
+    if "time" in body and not (isinstance(body["time"], str) and _TIME.fullmatch(body["time"])):
+        errors.append("'time' must be UTC as YYYY-MM-DDTHH:MM:SS.ffffffZ")
     if "decision" in body:
         d = body["decision"]
         if not (isinstance(d, Mapping) and isinstance(d.get("action"), str)):
             errors.append("'decision' must be an object with a string 'action'")
         elif not isinstance(d.get("reasons", []), list) or not isinstance(d.get("bundle_hash", ""), str):
             errors.append("'decision.reasons' must be a list and 'decision.bundle_hash' a string")
-    return errors
-
-
-def witness_errors(body: Mapping[str, Any]) -> list[str]:
-    """Why a record's witness does not support its kind; empty when it does.
-
-    A ``forget`` claims the edited cache is bit-identical to one that never saw the span, so its
-    witness must show every max|Δ| exactly 0 and equal digests. An ``amortize`` is honest only if
-    it says it is not an erasure (``never_saw`` false) and carries its measured divergence.
-    """
-    kind, w = body.get("kind"), body.get("witness")
-    if kind not in ("forget", "amortize"):
-        return []
-    if not isinstance(w, Mapping):
-        return [f"a {kind} record needs the kernel's witness object"]
-    if kind == "amortize":
-        errors = [] if w.get("never_saw") is False else ["amortize witness must say never_saw: false (it is not an erasure)"]
-        return errors + ([] if "divergence" in w else ["amortize witness must carry its measured divergence"])
-    deltas = {k: v for k, v in w.items() if k.startswith("max_abs_")}
-    errors = [] if deltas else ["forget witness has no max_abs_* measurement"]
-    errors += [f"{k} = {v!r}, expected exactly 0" for k, v in sorted(deltas.items()) if not (_is_int(v) or isinstance(v, float)) or v != 0]
-    if not isinstance(w.get("digest_edited"), str) or not w.get("digest_edited"):
-        errors.append("forget witness has no digest_edited")
-    elif w.get("digest_edited") != w.get("digest_reference"):
-        errors.append(f"digest_edited {w.get('digest_edited')} != digest_reference {w.get('digest_reference')}")
-    errors += [f"{flag} = {w[flag]!r}, expected true" for flag in ("equal", "never_saw") if flag in w and w[flag] is not True]
     return errors
 
 
@@ -122,8 +121,10 @@ def body_errors(body: Mapping[str, Any]) -> list[str]:
     if body.get("kind") not in KINDS:
         return [f"kind {body.get('kind')!r} is not one of {sorted(KINDS)}"]
     errors = ["records never hold content; put its sha256 in 'content_sha256'"] if _has_content(body) else []
-    if body["kind"] == "key-rotation" and not isinstance(body.get("key"), Mapping):
-        errors.append("a key-rotation record needs its 'key' object")
+    if body["kind"] == "key-rotation":
+        key = body.get("key")
+        if not isinstance(key, Mapping) or not all(isinstance(key.get(f), str) for f in (*ROTATION_FIELDS, "signature")):
+            errors.append(f"a key-rotation record needs its 'key' object of strings {[*ROTATION_FIELDS, 'signature']}")
     return errors + _type_errors(body)
 
 

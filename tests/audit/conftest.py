@@ -12,15 +12,23 @@ from audit import AuditLog, Signer
 
 PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
-WITNESS = {
-    "never_saw": True,
-    "equal": True,
-    "max_abs_dk": 0.0,
-    "max_abs_dv": 0.0,
-    "max_abs_dlogits": 0.0,
-    "digest_edited": "e3b0c442",
-    "digest_reference": "e3b0c442",
-}
+
+def forget_witness(span: list[int], tokens: int = 100) -> dict[str, Any]:
+    """A never-saw witness of the shape ``kvkernel.witness.ForgetWitness.to_dict()`` gives."""
+    return {
+        "kind": "never-saw", "equal": True, "argmax_equal": True,
+        "max_abs_dk": 0.0, "max_abs_dv": 0.0, "max_abs_dlogits": 0.0,
+        "digest_edited": "e3b0c442", "digest_reference": "e3b0c442",
+        "survivors_sha256": "0" * 64, "tokens": tokens, "spans": [list(span)],
+    }
+
+
+def amortize_witness(span: list[int]) -> dict[str, Any]:
+    """The shape of ``kvkernel.witness.AmortizeWitness.to_dict()`` (its measured divergence included)."""
+    return {
+        "kind": "amortize", "never_saw": False, "span": list(span), "replacement_tokens": 3, "shift": -2,
+        "kl_mean": 0.03, "kl_max": 0.2, "argmax_agreement": 0.9, "max_abs_dlogits": 1.5, "probe_positions": 8,
+    }
 
 
 def make_record(i: int, *, tenant: str = "acme", kind: str = "forget") -> dict[str, Any]:
@@ -35,10 +43,10 @@ def make_record(i: int, *, tenant: str = "acme", kind: str = "forget") -> dict[s
         "decision": {"action": kind, "reasons": ["secret"], "bundle_hash": "b" * 64},
         "actor": "test",
     }
-    if kind == "forget":
-        record["witness"] = dict(WITNESS)
+    if kind in ("forget", "retention-forget"):
+        record["witness"] = forget_witness(record["span"])
     if kind == "amortize":
-        record["witness"] = {"never_saw": False, "divergence": 0.03}
+        record["witness"] = amortize_witness(record["span"])
     return record
 
 
