@@ -157,7 +157,8 @@ def test_truncating_records_and_checkpoints_is_caught_by_the_trusted_checkpoint(
 def test_history_rewritten_and_resigned_with_another_key_is_detected(export, filled, signer):
     forger = Signer.generate()
     doc = copy.deepcopy(export)
-    modify_and_rehash(doc)
+    doc["records"][5]["body"]["segment_id"] = "seg-FORGED"
+    _rehash(doc["records"][5])
     tree_roots = {}
     from audit.merkle import CompactRange
 
