@@ -116,6 +116,8 @@ def _split_note(note: str) -> tuple[str, list[tuple[str, bytes, bytes]]]:
             blob = base64.b64decode(b64, validate=True)
         except ValueError as e:  # binascii.Error, or a non-ASCII str
             raise NoteError(f"signature line for {name} is not base64") from e
+        if base64.b64encode(blob).decode() != b64:  # one spelling: unused bits set would verify too
+            raise NoteError(f"signature line for {name} is not canonical base64")
         if len(blob) != 4 + 64:
             raise NoteError(f"signature line for {name} is not an Ed25519 signature")
         sigs.append((name, blob[:4], blob[4:]))
@@ -147,6 +149,8 @@ class Checkpoint:
             root_hash = base64.b64decode(root, validate=True)
         except ValueError as e:
             raise NoteError("checkpoint root hash is not base64") from e
+        if base64.b64encode(root_hash).decode() != root:
+            raise NoteError("checkpoint root hash is not canonical base64")
         if len(root_hash) != 32:
             raise NoteError("checkpoint root hash is not 32 bytes")
         return cls(origin, int(size), root_hash, note)
