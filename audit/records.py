@@ -58,11 +58,11 @@ def canonical(body: Mapping[str, Any]) -> bytes:
         raise AuditError(f"audit record is not canonical JSON ({e}); use str, int (< 2**53), float, bool, list, dict") from e
 
 
-# Where Python's compact, sorted json.dumps may spell a value differently from RFC 8785: an
-# integral float ("1.0" vs "1"), an exponent ("1e-07" vs "1e-7"), an integer past 2**53 (refused
-# by RFC 8785), each right after the ':', ',' or '[' that starts a number. A match inside a string
-# only costs the slow path.
-_JCS_MAY_DIFFER = re.compile(r"[:,\[]-?[0-9]+(?:\.0[,\]}]|[.0-9]*[eE])|[:,\[]-?[0-9]{16}")
+# Where Python's compact, sorted json.dumps may spell a number differently from RFC 8785: an
+# integral float ("1.0" vs "1"), an exponent ("1e-07" vs "1e-7", "1e+16" vs "10000000000000000"),
+# an integer of 16 digits or more (RFC 8785 refuses 2**53 and up). A match inside a string (a
+# digest with a long run of digits) only costs the slow path.
+_JCS_MAY_DIFFER = re.compile(r"\.0[,\]}]|[0-9]e[-+]|[0-9]{16}")
 
 
 def canonical_parsed(body: Mapping[str, Any]) -> bytes:
@@ -113,14 +113,17 @@ def _type_errors(body: Mapping[str, Any]) -> list[str]:
     return errors
 
 
-def body_errors(body: Mapping[str, Any]) -> list[str]:
+def body_errors(body: Mapping[str, Any], entry: bytes | None = None) -> list[str]:
     """What is wrong with a record body's kind, content and field types; empty if valid.
 
-    The witness is judged separately (``witness_errors``), so a verifier can name which check failed.
+    ``entry``, the body's canonical bytes if known, spares the search for a 'content' name when
+    they do not hold one. The witness is judged separately (``witness_errors``), so a verifier
+    can name which check failed.
     """
     if body.get("kind") not in KINDS:
         return [f"kind {body.get('kind')!r} is not one of {sorted(KINDS)}"]
-    errors = ["records never hold content; put its sha256 in 'content_sha256'"] if _has_content(body) else []
+    maybe_content = entry is None or b'"content"' in entry
+    errors = ["records never hold content; put its sha256 in 'content_sha256'"] if maybe_content and _has_content(body) else []
     if body["kind"] == "key-rotation":
         key = body.get("key")
         if not isinstance(key, Mapping) or not all(isinstance(key.get(f), str) for f in (*ROTATION_FIELDS, "signature")):

@@ -16,7 +16,7 @@ it is never accepted as an erasure proof. Other kinds carry no witness.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 __all__ = ["DIVERGENCE", "ERASURE_KINDS", "MAX_DELTAS", "witness_errors"]
@@ -35,14 +35,14 @@ def _is_number(v: Any) -> bool:
 
 
 def _span(v: Any) -> tuple[int, int] | None:
-    if isinstance(v, Sequence) and not isinstance(v, str) and len(v) == 2 and all(map(_is_int, v)) and 0 <= v[0] <= v[1]:
+    if isinstance(v, (list, tuple)) and len(v) == 2 and all(map(_is_int, v)) and 0 <= v[0] <= v[1]:
         return v[0], v[1]
     return None
 
 
 def _spans(v: Any) -> list[tuple[int, int]] | None:
     """Sorted, non-overlapping, non-empty [start, end) spans, or None."""
-    if not isinstance(v, Sequence) or isinstance(v, str) or not v:
+    if not isinstance(v, (list, tuple)) or not v:
         return None
     spans = [_span(s) for s in v]
     if any(s is None or s[0] == s[1] for s in spans):

@@ -216,13 +216,14 @@ def _check_record(report: VerifyReport, position: int, rec: Mapping[str, Any], c
     if rec["index"] != position:
         report.errors.append(f"{label}: index {rec['index']} found at position {position} (records deleted, inserted or reordered)")
     try:
-        leaf = hash_leaf(canonical_parsed(body))
+        entry: bytes | None = canonical_parsed(body)
+        leaf = hash_leaf(entry)
     except (AuditError, ValueError, TypeError, RecursionError) as e:
         report.errors.append(f"{label}: body is not canonical JSON ({e})")
-        leaf = _NO_LEAF
+        entry, leaf = None, _NO_LEAF
     if rec["leaf_hash"] != leaf.hex():
         report.errors.append(f"{label}: leaf hash {rec['leaf_hash']} does not match the body's {leaf.hex()}")
-    schema = body_errors(body) + ([] if "time" in body else ["'time' missing: the log stamps every record"])
+    schema = body_errors(body, entry) + ([] if "time" in body else ["'time' missing: the log stamps every record"])
     report.errors += [f"{label}: schema: {e}" for e in schema]
     report.errors += [f"{label}: witness: {e}" for e in witness_errors(body)]
     if chain is not None and body.get("kind") == "key-rotation" and not schema:
@@ -273,8 +274,11 @@ class _ExportCheck:
 
     def _reached(self) -> None:
         """Steps 3 and 4: the checkpoints (and the trusted one) at the tree's current size."""
-        size, root = self.tree.size, self.tree.root()
-        for cp, label in self.pending.pop(size, []):
+        size = self.tree.size
+        if size not in self.pending:
+            return
+        root = self.tree.root()
+        for cp, label in self.pending.pop(size):
             signer = self.chain.at(size)
             signed = self._signature(cp, signer, label)
             if cp.root_hash == root:

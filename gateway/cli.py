@@ -146,11 +146,14 @@ def bench_policy(iterations: int = 5000, opa_url: Annotated[Optional[str], typer
 
 @bench_app.command("audit")
 def bench_audit(records: int = 1_000_000, postgres_url: Annotated[Optional[str], typer.Option()] = None,
-                sqlite_path: Annotated[Optional[Path], typer.Option()] = None, json_out: JsonFlag = False) -> None:
-    """Appends/s on SQLite (and PostgreSQL), proof generation + verification at 10^6 records."""
+                sqlite_path: Annotated[Optional[Path], typer.Option()] = None,
+                verify_records: Annotated[int, typer.Option(help="records in the offline verification run (0: skip)")] = 100_000,
+                json_out: JsonFlag = False) -> None:
+    """Appends/s on SQLite (and PostgreSQL), proofs at 10^6 records, offline verification of 10^5."""
     from audit.bench import run_audit_bench
 
-    _report(run_audit_bench(sqlite_path=sqlite_path, postgres_url=postgres_url, records=records), json_out)
+    _report(run_audit_bench(sqlite_path=sqlite_path, postgres_url=postgres_url, records=records,
+                            verify_records=verify_records), json_out)
 
 
 @bench_app.command("gateway")
