@@ -274,7 +274,7 @@ def audit_verify(export: Annotated[Optional[Path], typer.Option(help="an export 
                      help="the log's genesis public key PEM, or the signer of --trusted-checkpoint")] = None,
                  trusted_checkpoint: Annotated[Optional[Path], typer.Option(help="a checkpoint note you saved earlier")] = None,
                  no_anchor: Annotated[bool, typer.Option(
-                     help="accept an export with no root of trust (internal consistency only)")] = False,
+                     "--no-anchor", help="accept an export with no root of trust (internal consistency only)")] = False,
                  ) -> None:
     """Verify offline against a root of trust (--public-key and/or --trusted-checkpoint).
 
