@@ -60,22 +60,27 @@ def canonical(body: Mapping[str, Any]) -> bytes:
 
 # Where Python's compact, sorted json.dumps may spell a number differently from RFC 8785: an
 # integral float ("1.0" vs "1"), an exponent ("1e-07" vs "1e-7", "1e+16" vs "10000000000000000"),
-# an integer of 16 digits or more (RFC 8785 refuses 2**53 and up). A match inside a string (a
-# digest with a long run of digits) only costs the slow path.
-_JCS_MAY_DIFFER = re.compile(r"\.0[,\]}]|[0-9]e[-+]|[0-9]{16}")
+# an integer of 16 digits or more (RFC 8785 refuses 2**53 and up). Each is looked for with plain
+# substring searches (a regex costs more than the rest of the check); a hit inside a string, such
+# as a digest with a long run of decimal digits, only costs the slow path.
+_MAY_DIFFER = (b".0,", b".0]", b".0}", b"e-", b"e+")
+_DIGITS_AS_ZERO = bytes(0x30 if 0x30 <= b <= 0x39 else 0x78 for b in range(256))
+_LONG_NUMBER = b"0" * 16
 
 
 def canonical_parsed(body: Mapping[str, Any]) -> bytes:
-    """``canonical(body)`` for a body that ``json.loads`` produced, about 4x faster.
+    """``canonical(body)`` for a body that ``json.loads`` produced, several times faster.
 
     For such a body (str keys, JSON types only) that is all ASCII, ``json.dumps(sort_keys=True,
     separators=(",", ":"))`` escapes strings and orders keys as RFC 8785 does; numbers are the
     only difference, and any number that could be spelt differently sends the body to the
-    RFC 8785 encoder (``_JCS_MAY_DIFFER``). A test compares both on random JSON.
+    RFC 8785 encoder. A property test compares both on random JSON.
     """
-    fast = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    if fast.isascii() and not _JCS_MAY_DIFFER.search(fast):
-        return fast.encode()
+    fast = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode(
+        "utf-8", "surrogatepass"
+    )
+    if fast.isascii() and not any(s in fast for s in _MAY_DIFFER) and _LONG_NUMBER not in fast.translate(_DIGITS_AS_ZERO):
+        return fast
     return canonical(body)
 
 
