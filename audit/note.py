@@ -32,9 +32,18 @@ def key_id(name: str, public_key: bytes) -> bytes:
 
 
 def _check_name(name: str) -> str:
-    if not name or any(c.isspace() or c == "+" for c in name):
-        raise NoteError(f"key name {name!r} must be non-empty, without spaces or '+'")
+    if not name or any(c.isspace() or c == "+" for c in name) or not _is_utf8(name):
+        raise NoteError(f"key name {name!r} must be non-empty UTF-8, without spaces or '+'")
     return name
+
+
+def _is_utf8(text: str) -> bool:
+    """False for a str holding lone surrogates (a JSON "\\ud800" escape), which has no UTF-8 bytes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class NoteSigner(Protocol):
@@ -104,6 +113,8 @@ def sign_note(text: str, signer: NoteSigner) -> str:
 
 def _split_note(note: str) -> tuple[str, list[tuple[str, bytes, bytes]]]:
     """(text, [(key name, key id, signature)]) of a signed note, unverified."""
+    if not _is_utf8(note):
+        raise NoteError("a note is UTF-8 text; this one holds a lone surrogate")
     cut = note.rfind("\n\n")
     if cut < 0 or not note.endswith("\n"):
         raise NoteError("not a signed note: no blank line before the signature lines")

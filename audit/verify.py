@@ -211,7 +211,11 @@ class _KeyChain:
             return f"malformed new key or signature ({e})"
         if new.key_id != key["new_key_id"]:
             return f"new key id {key['new_key_id']} does not match the new key ({new.key_id})"
-        if not active.verify(rotation_message(key), signature):
+        try:
+            message = rotation_message(key)
+        except AuditError as e:
+            return f"the hand-over is not canonical JSON ({e})"
+        if not active.verify(message, signature):
             return f"hand-over is not signed by the old key {active.key_id}"
         self.keys.append((index + 2, new))  # the checkpoint covering the rotation is still the old key's
         return None
@@ -501,7 +505,8 @@ def run(
         else:
             assert export is not None
             report = verify_export(export, trusted_checkpoint=trusted_checkpoint, public_key_pem=pem, no_anchor=no_anchor)
-    print(report.summary(), file=out or (sys.stdout if report.ok else sys.stderr))
+    text = report.summary().encode("utf-8", "backslashreplace").decode("utf-8")  # lone surrogates from the input, escaped
+    print(text, file=out or (sys.stdout if report.ok else sys.stderr))
     return report.exit_code
 
 

@@ -72,6 +72,24 @@ def test_a_malformed_export_is_one_line_naming_the_place_with_exit_code_2(honest
     assert captured.err.rstrip().endswith("MALFORMED INPUT")
 
 
+LONE_SURROGATE = [  # "\ud800" is valid JSON but no UTF-8 string: every use of it must fail cleanly
+    ("body_string", '"segment_id":"seg-1"', '"segment_id":"seg-\\ud800"', 1),
+    ("leaf_hash", '"leaf_hash": "', '"leaf_hash": "\\ud800', 1),
+    ("genesis_name", '"name": "lethe.local/audit"', '"name": "lethe\\ud800"', 2),
+    ("checkpoint_note", '"lethe.local/audit\\n8\\n', '"lethe.local/audit\\ud800\\n8\\n', 2),
+]
+
+
+@pytest.mark.parametrize("name, old, new, code", LONE_SURROGATE, ids=[c[0] for c in LONE_SURROGATE])
+def test_a_lone_surrogate_anywhere_fails_cleanly(honest, tmp_path, capsys, name, old, new, code):
+    _, _, path = honest
+    text = path.read_text()
+    assert old in text
+    (tmp_path / "s.json").write_text(text.replace(old, new, 1))
+    assert main(["--export", str(tmp_path / "s.json"), "--public-key", str(tmp_path / "genesis.pem")]) == code
+    assert "FAIL: " in capsys.readouterr().err
+
+
 def test_a_byte_order_mark_is_accepted(honest, tmp_path):
     _, _, path = honest
     (tmp_path / "bom.json").write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
