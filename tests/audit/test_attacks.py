@@ -236,3 +236,29 @@ def test_red_team_attacks_on_a_fresh_export_fail(honest, forge, signer, attack, 
     report = verify_export(doc, public_key_pem=signer.public_key_pem, trusted_checkpoint=trusted)
     assert report.exit_code == 1, report.summary()
     assert any(e.startswith(expected) for e in report.errors), report.errors
+
+
+def test_a_retired_key_that_forks_history_at_its_rotation_is_caught_by_a_later_trusted_checkpoint(
+    sqlite_url, signer, record, forge, tmp_path
+):
+    """Whoever steals a retired key can rewrite its hand-over to a key of their own: the genesis key
+    alone cannot tell (the fork chains from it). A checkpoint saved after the real rotation can."""
+    log = AuditLog(sqlite_url, signer, batch_size=4)
+    log.append_many([record(i) for i in range(4)])
+    new = Signer.generate()
+    r = log.rotate_key(new)
+    log.append_many([record(i) for i in range(6, 10)])
+    seen = log.checkpoint().note  # signed by the new key, saved by the auditor
+    log.export(tmp_path / "e.json")
+    doc = json.loads((tmp_path / "e.json").read_text())
+    thief = Signer.generate()
+    forked = copy.deepcopy(doc)
+    forked["records"] = forked["records"][:r]
+    forge.append_rotation(forked, signer, thief)  # the stolen genesis key hands over to the thief
+    forked["records"] += copy.deepcopy(doc["records"][r + 1 :])
+    forked["_next_signers"] = {r: thief}
+    forked = forge.resign(forked, signer, every=4)
+    assert verify_export(forked, public_key_pem=signer.public_key_pem).ok  # the known limit of a key chain
+    report = verify_export(forked, public_key_pem=signer.public_key_pem, trusted_checkpoint=seen)
+    assert any(e.startswith(f"trusted checkpoint {doc['size']}: ") for e in report.errors), report.errors
+    log.close()
