@@ -410,7 +410,10 @@ def verify_erasure_proof(proof: dict | Path | str, *, public_key_pem: str | None
         rec, key = doc["record"], doc["public_key"]
         cp = _checkpoint(doc["checkpoint"], "proof.checkpoint")
         if public_key_pem is None and not no_anchor:
-            report.errors.append(f"root of trust: {NO_ANCHOR.replace('export', 'proof')}")
+            report.errors.append(
+                "root of trust: none given: the proof carries its own key, and anyone can sign a consistent proof; "
+                "pin the key that signed its checkpoint (--public-key), or pass --no-anchor to accept integrity only"
+            )
         verifier = _verifier(key["name"], public_key_pem or key["public_key_pem"], "public key" if public_key_pem else "proof.public_key")
         report.anchor = f"the {'pinned' if public_key_pem else 'proof’s own (--no-anchor)'} key {verifier.key_id}"
         index = rec["index"]
