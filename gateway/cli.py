@@ -152,6 +152,7 @@ def bench_audit(records: int = 1_000_000, postgres_url: Annotated[Optional[str],
     """Appends/s on SQLite (and PostgreSQL), proofs at 10^6 records, offline verification of 10^5."""
     from audit.bench import run_audit_bench
 
+    _settings()  # logs to stderr at the configured level: stdout carries only the result
     _report(run_audit_bench(sqlite_path=sqlite_path, postgres_url=postgres_url, records=records,
                             verify_records=verify_records), json_out)
 
