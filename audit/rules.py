@@ -31,7 +31,7 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_number(v: Any) -> bool:
-    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+    return _is_int(v) or (isinstance(v, float) and math.isfinite(v))  # isfinite(10**400) would raise
 
 
 def _span(v: Any) -> tuple[int, int] | None:

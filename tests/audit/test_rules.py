@@ -83,6 +83,18 @@ def test_the_writer_and_the_verifier_refuse_the_same_witness_with_the_same_words
     assert any(e.startswith(f"record {i}: witness: ") and message in e for e in report.errors), report.errors
 
 
+def test_a_witness_number_too_large_for_a_float_is_refused_not_a_crash(honest, sqlite_log, record, signer, tmp_path):
+    with pytest.raises(AuditError, match="expected exactly 0"):
+        sqlite_log.append({**record(0), "witness": {**record(0)["witness"], "max_abs_dv": 10**400}})
+    _, _, path = honest
+    text = path.read_text().replace('"max_abs_dv":0', '"max_abs_dv":' + "9" * 400, 1)
+    (tmp_path / "huge.json").write_text(text)
+    report = verify_export(tmp_path / "huge.json", public_key_pem=signer.public_key_pem)
+    assert report.exit_code == 1
+    assert any(e.startswith("record 0: body is not canonical JSON") for e in report.errors), report.errors
+    assert any(e.startswith("record 0: witness: max_abs_dv = 999") for e in report.errors), report.errors
+
+
 @pytest.mark.parametrize("kind", ["quarantine", "policy-bundle"])
 def test_a_record_that_is_no_erasure_carries_no_witness(sqlite_log, record, kind):
     with pytest.raises(AuditError, match=f"a {kind} record carries no witness"):
