@@ -16,7 +16,7 @@ from typing import Any
 import rfc8785
 
 from .errors import AuditError
-from .rules import ERASURE_KINDS, witness_errors
+from .rules import ERASURE_KINDS, _is_int, witness_errors
 
 __all__ = [
     "AuditRecord",
@@ -90,10 +90,6 @@ def _has_content(value: Any) -> bool:
     if isinstance(value, list | tuple):
         return any(_has_content(v) for v in value)
     return False
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _type_errors(body: Mapping[str, Any]) -> list[str]:
