@@ -1,8 +1,9 @@
 """Tables, engines and the one write lock of the audit log (SQLite WAL or PostgreSQL).
 
 Every table is append-only: the code only INSERTs, and triggers make the database refuse UPDATE,
-DELETE (and TRUNCATE on PostgreSQL) so that a bug or a careless operator cannot rewrite history
-without first dropping a trigger, which leaves the signed checkpoints to catch them.
+DELETE (and TRUNCATE on PostgreSQL) and any INSERT onto an existing key (SQLite's INSERT OR
+REPLACE, an upsert), so that a bug or a careless operator cannot rewrite history without first
+dropping a trigger, which leaves the signed checkpoints to catch them.
 
 Writers serialize on one lock per database, so indices have no gaps and no duplicates across
 processes and replicas: ``BEGIN IMMEDIATE`` on SQLite, a transaction-scoped advisory lock on
@@ -99,9 +100,29 @@ keys = Table(
 _WRITE = "lethe_audit_write"
 _PG_LOCK = int.from_bytes(hashlib.sha256(b"lethe audit append lock").digest()[:8], "big", signed=True)
 
+def _pk(table: str) -> str:
+    (column,) = metadata.tables[table].primary_key.columns
+    return column.name
+
+
+# A row, once written, is final. UPDATE and DELETE are refused outright; an INSERT is refused when
+# its key already exists, before any conflict clause runs: SQLite's INSERT OR REPLACE / REPLACE
+# INTO delete the old row without firing DELETE triggers, and an upsert (ON CONFLICT DO UPDATE)
+# would rewrite it. The triggers are (re)created on every start (IF NOT EXISTS / OR REPLACE), so an
+# existing database gains the ones added since it was made.
 _PG_TRIGGERS = [
     """CREATE OR REPLACE FUNCTION audit_append_only() RETURNS trigger LANGUAGE plpgsql AS $$
     BEGIN RAISE EXCEPTION '% is append-only: audit rows are never updated or deleted', TG_TABLE_NAME; END $$""",
+    *(
+        f"""CREATE OR REPLACE FUNCTION {t}_no_replace() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+          IF EXISTS (SELECT 1 FROM {t} WHERE {_pk(t)} = NEW.{_pk(t)}) THEN
+            RAISE EXCEPTION '{t} is append-only: row % exists and is never replaced', NEW.{_pk(t)};
+          END IF;
+          RETURN NEW;
+        END $$"""
+        for t in metadata.tables
+    ),
     *(
         stmt
         for t in metadata.tables
@@ -110,14 +131,24 @@ _PG_TRIGGERS = [
             "FOR EACH ROW EXECUTE FUNCTION audit_append_only()",
             f"CREATE OR REPLACE TRIGGER {t}_no_truncate BEFORE TRUNCATE ON {t} "
             "FOR EACH STATEMENT EXECUTE FUNCTION audit_append_only()",
+            f"CREATE OR REPLACE TRIGGER {t}_no_replace BEFORE INSERT ON {t} "
+            f"FOR EACH ROW EXECUTE FUNCTION {t}_no_replace()",
         )
     ),
 ]
 _SQLITE_TRIGGERS = [
-    f"CREATE TRIGGER IF NOT EXISTS {t}_no_{op.lower()} BEFORE {op} ON {t} "
-    f"BEGIN SELECT RAISE(ABORT, '{t} is append-only: audit rows are never updated or deleted'); END"
-    for t in metadata.tables
-    for op in ("UPDATE", "DELETE")
+    *(
+        f"CREATE TRIGGER IF NOT EXISTS {t}_no_{op.lower()} BEFORE {op} ON {t} "
+        f"BEGIN SELECT RAISE(ABORT, '{t} is append-only: audit rows are never updated or deleted'); END"
+        for t in metadata.tables
+        for op in ("UPDATE", "DELETE")
+    ),
+    *(
+        f"CREATE TRIGGER IF NOT EXISTS {t}_no_replace BEFORE INSERT ON {t} "
+        f"WHEN EXISTS (SELECT 1 FROM {t} WHERE {_pk(t)} = NEW.{_pk(t)}) "
+        f"BEGIN SELECT RAISE(ABORT, '{t} is append-only: an existing row is never replaced'); END"
+        for t in metadata.tables
+    ),
 ]
 
 

@@ -8,12 +8,11 @@ tooling can check Lethe's checkpoints too.
 from __future__ import annotations
 
 import base64
-import binascii
 import hashlib
 from dataclasses import dataclass
 from typing import Protocol
 
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
@@ -33,9 +32,18 @@ def key_id(name: str, public_key: bytes) -> bytes:
 
 
 def _check_name(name: str) -> str:
-    if not name or any(c.isspace() or c == "+" for c in name):
-        raise NoteError(f"key name {name!r} must be non-empty, without spaces or '+'")
+    if not name or any(c.isspace() or c == "+" for c in name) or not _is_utf8(name):
+        raise NoteError(f"key name {name!r} must be non-empty UTF-8, without spaces or '+'")
     return name
+
+
+def _is_utf8(text: str) -> bool:
+    """False for a str holding lone surrogates (a JSON "\\ud800" escape), which has no UTF-8 bytes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class NoteSigner(Protocol):
@@ -54,14 +62,20 @@ class NoteVerifier:
 
     @classmethod
     def from_pem(cls, name: str, pem: str | bytes) -> NoteVerifier:
-        key = serialization.load_pem_public_key(pem.encode() if isinstance(pem, str) else pem)
+        try:
+            key = serialization.load_pem_public_key(pem.encode() if isinstance(pem, str) else pem)
+        except (ValueError, UnsupportedAlgorithm) as e:
+            raise NoteError(f"not a PEM public key ({e})") from None
         if not isinstance(key, Ed25519PublicKey):
             raise NoteError("the audit public key must be Ed25519")
         return cls(_check_name(name), key)
 
     @classmethod
     def from_raw(cls, name: str, raw: bytes) -> NoteVerifier:
-        return cls(_check_name(name), Ed25519PublicKey.from_public_bytes(raw))
+        try:
+            return cls(_check_name(name), Ed25519PublicKey.from_public_bytes(raw))
+        except ValueError as e:
+            raise NoteError(f"not an Ed25519 public key ({e})") from None
 
     @property
     def raw(self) -> bytes:
@@ -99,6 +113,8 @@ def sign_note(text: str, signer: NoteSigner) -> str:
 
 def _split_note(note: str) -> tuple[str, list[tuple[str, bytes, bytes]]]:
     """(text, [(key name, key id, signature)]) of a signed note, unverified."""
+    if not _is_utf8(note):
+        raise NoteError("a note is UTF-8 text; this one holds a lone surrogate")
     cut = note.rfind("\n\n")
     if cut < 0 or not note.endswith("\n"):
         raise NoteError("not a signed note: no blank line before the signature lines")
@@ -109,8 +125,10 @@ def _split_note(note: str) -> tuple[str, list[tuple[str, bytes, bytes]]]:
         name, b64 = line[len(SIG_PREFIX) :].split(" ")
         try:
             blob = base64.b64decode(b64, validate=True)
-        except binascii.Error as e:
+        except ValueError as e:  # binascii.Error, or a non-ASCII str
             raise NoteError(f"signature line for {name} is not base64") from e
+        if base64.b64encode(blob).decode() != b64:  # one spelling: unused bits set would verify too
+            raise NoteError(f"signature line for {name} is not canonical base64")
         if len(blob) != 4 + 64:
             raise NoteError(f"signature line for {name} is not an Ed25519 signature")
         sigs.append((name, blob[:4], blob[4:]))
@@ -136,12 +154,14 @@ class Checkpoint:
         if len(lines) < 4:
             raise NoteError("checkpoint needs an origin, a tree size and a root hash line")
         origin, size, root = lines[0], lines[1], lines[2]
-        if not size.isdigit() or (size != "0" and size.startswith("0")):
+        if not (size.isascii() and size.isdigit()) or (size != "0" and size.startswith("0")) or len(size) > 19:
             raise NoteError(f"checkpoint tree size {size!r} is not a decimal number")
         try:
             root_hash = base64.b64decode(root, validate=True)
-        except binascii.Error as e:
+        except ValueError as e:
             raise NoteError("checkpoint root hash is not base64") from e
+        if base64.b64encode(root_hash).decode() != root:
+            raise NoteError("checkpoint root hash is not canonical base64")
         if len(root_hash) != 32:
             raise NoteError("checkpoint root hash is not 32 bytes")
         return cls(origin, int(size), root_hash, note)

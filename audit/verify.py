@@ -1,182 +1,299 @@
 """Offline verification of an audit export or an erasure proof. Trusts nothing the gateway says.
 
 Imports only the stdlib, cryptography, rfc8785, httpx (for ``verify_url``) and audit's pure
-modules (merkle, note, records): no database, gateway or kernel code, so an auditor can run it
-alone (``python -m audit.verify --export FILE``).
+modules (merkle, note, records, rules, strict): no database, gateway or kernel code, so an auditor
+can run it alone (``python -m audit.verify --export FILE --public-key KEY.pem``).
 
-For an export the verifier rebuilds the whole tree from the records and checks, in one pass:
-each record's position, leaf hash, schema and witness; each key rotation's signature by the key
-it replaces; each checkpoint's signature by the key active at its size and its root against the
-rebuilt tree; that every record is covered by a signed checkpoint (a rebuilt root equal to a
-signed one proves the inclusion of every record under it); and that a trusted checkpoint, kept
-from earlier, is a prefix of the export (the consistency check, made on the leaves themselves).
+An export is verified in these steps (the numbers are the ``# Step N`` comments below):
+
+1. Read strictly: UTF-8 (a byte-order mark is accepted), JSON with no duplicate name in any
+   object and no NaN, and the export's shape: every field present and of its type. Malformed
+   input stops here, with one line naming the place (exit code 2).
+2. Replay the records, rebuilding the RFC 9162 tree: each record's position, its leaf hash
+   (SHA-256 of 0x00 and its RFC 8785 bytes), its schema, its witness (``audit.rules``, the rules
+   the log applied when it wrote it), and each key rotation: signed by the key it replaces, for
+   this log's origin.
+3. Each checkpoint, when the tree reaches its size: signed by the key active at that size, with
+   the root of the rebuilt tree (a rebuilt root equal to a signed one proves the inclusion of
+   every record under it). Checkpoints come in increasing size.
+4. The trusted checkpoint, if given: the rebuilt tree has its root at its size (the log was only
+   appended to since) and the key active at that size signed it.
+5. Coverage: every record lies under a signed checkpoint, and no checkpoint lies past the last
+   record (a truncated log).
+6. The unsigned header: ``size`` is the number of records; ``keys`` is exactly the genesis key
+   followed by the keys the verified rotations handed over to, each from its size.
+7. The root of trust. A pinned public key must be the genesis key (every rotation after it was
+   checked in step 2) or the key that signed the trusted checkpoint; a rotation *to* the pinned
+   key proves nothing, since whoever holds the key it rotates from can write one. A trusted
+   checkpoint alone anchors the log at its size. With neither, the export is only shown to be
+   internally consistent (anyone can sign a consistent export), which fails unless ``no_anchor``.
+
+An erasure proof (``verify_erasure_proof``) is verified in four steps:
+
+1. Read strictly, as above.
+2. The record: leaf hash, schema, witness, and an erasure kind (an amortize is never an erasure).
+3. The checkpoint: signed by the pinned key (the proof's own key only with ``no_anchor``).
+4. The inclusion of the record's leaf in that checkpoint (RFC 9162 section 2.1.3.2).
+
+Exit codes of the command line: 0 verified, 1 a check failed, 2 malformed input or an unusable source.
 """
 from __future__ import annotations
 
 import argparse
 import base64
-import json
+import gc
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from .errors import AuditError
 from .merkle import CompactRange, InclusionProof, ProofError, hash_leaf
 from .note import Checkpoint, NoteError, NoteVerifier
-from .records import ERASURE_KINDS, body_errors, canonical, rotation_message, witness_errors
+from .records import body_errors, canonical_parsed, rotation_message
+from .rules import ERASURE_KINDS, witness_errors
+from .strict import Malformed, expect, fields, load_json, read_bytes, read_text
 
-__all__ = ["VerifyReport", "verify_erasure_proof", "verify_export", "verify_url"]
+__all__ = ["VerifyReport", "run", "verify_erasure_proof", "verify_export", "verify_url"]
 
 EXPORT_FORMAT = "lethe-audit-export/1"
 PROOF_FORMAT = "lethe-erasure-proof/1"
 
+_EXPORT = {"format": str, "origin": str, "size": int, "keys": list, "checkpoints": list, "records": list}
+_KEY = {"key_id": str, "name": str, "public_key_pem": str, "from_size": int}
+_RECORD = {"index": int, "leaf_hash": str, "body": dict}
+_PROOF = {"format": str, "record": dict, "checkpoint": str, "inclusion_proof": dict, "public_key": dict}
+_PROOF_RECORD = {**_RECORD, "time": str}
+_INCLUSION = {"leaf_index": int, "tree_size": int, "hashes": list}
+_PROOF_KEY = {"name": str, "key_id": str, "public_key_pem": str}
+_NO_LEAF = b"\xff" * 32  # stands in for a leaf that could not be hashed; equals no real leaf
+
+NO_ANCHOR = (
+    "no root of trust given: the export is internally consistent, but anyone can sign a consistent "
+    "export; pin the log's key (--public-key) or a checkpoint saved earlier (--trusted-checkpoint), "
+    "or pass --no-anchor to accept internal consistency only"
+)
+
 
 @dataclass
 class VerifyReport:
-    """``errors`` each name the failing record or checkpoint and the check; ``checked`` counts what passed."""
+    """``errors`` each name the place and the check; ``checked`` counts what passed.
+
+    ``malformed`` is set when an input could not be read as what it must be (exit code 2);
+    ``anchor`` says what the verdict is anchored to (the root of trust).
+    """
 
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     checked: dict[str, int] = field(default_factory=dict)
+    malformed: bool = False
+    anchor: str = ""
 
     @property
     def ok(self) -> bool:
         return not self.errors
 
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.ok else 2 if self.malformed else 1
+
     def count(self, what: str, n: int = 1) -> None:
         self.checked[what] = self.checked.get(what, 0) + n
+
+    def refuse(self, e: Malformed) -> VerifyReport:
+        self.errors.append(str(e))
+        self.malformed = True
+        return self
 
     def summary(self, max_errors: int = 20) -> str:
         lines = [f"FAIL: {e}" for e in self.errors[:max_errors]]
         if len(self.errors) > max_errors:
             lines.append(f"... and {len(self.errors) - max_errors} more errors")
         lines += [f"warning: {w}" for w in self.warnings]
+        if self.anchor:
+            lines.append(f"anchored to: {self.anchor}")
         counts = ", ".join(f"{k}={v}" for k, v in sorted(self.checked.items()))
-        lines.append(f"{'OK' if self.ok else 'FAILED'}: {counts}")
+        verdict = "OK" if self.ok else "MALFORMED INPUT" if self.malformed else "FAILED"
+        lines.append(f"{verdict}: {counts}" if counts else verdict)
         return "\n".join(lines)
 
 
-def _load(source: dict | str | Path) -> Any:
-    if isinstance(source, dict):
-        return source
-    return json.loads(Path(source).read_text(encoding="utf-8"))
+# --- reading (step 1) --------------------------------------------------------------------------
+
+def _document(source: dict | str | Path, where: str) -> Any:
+    return source if isinstance(source, dict) else load_json(read_bytes(source, where), where)
 
 
-def _read_note(source: str | Path) -> str:
+def _read_export(source: dict | str | Path) -> dict[str, Any]:
+    doc = fields(_document(source, "export"), "export", _EXPORT)
+    if doc["format"] != EXPORT_FORMAT:
+        raise Malformed("export.format", f"{doc['format']!r} is not {EXPORT_FORMAT!r}")
+    if not doc["origin"] or "\n" in doc["origin"]:
+        raise Malformed("export.origin", "must be one non-empty line")
+    if not doc["keys"]:
+        raise Malformed("export.keys", "must list at least the genesis key")
+    for i, key in enumerate(doc["keys"]):
+        fields(key, f"export.keys[{i}]", _KEY)
+    for i, note in enumerate(doc["checkpoints"]):
+        expect(note, str, f"export.checkpoints[{i}]")
+    for i, rec in enumerate(doc["records"]):
+        fields(rec, f"export.records[{i}]", _RECORD)
+    return doc
+
+
+def _checkpoint(note: str, where: str) -> Checkpoint:
+    try:
+        return Checkpoint.from_note(note)
+    except ValueError as e:  # NoteError, or a note that is not even text lines
+        raise Malformed(where, f"not a signed checkpoint note ({e})") from None
+
+
+def _trusted_note(source: str | Path) -> str:
     """A checkpoint given as note text, or as a path to a file holding it."""
     if isinstance(source, str) and "\n" in source:
         return source
-    return Path(source).read_text(encoding="utf-8")
+    return read_text(source, f"trusted checkpoint {source}")
 
+
+def _verifier(name: str, pem: str, where: str) -> NoteVerifier:
+    try:
+        return NoteVerifier.from_pem(name, pem)
+    except NoteError as e:
+        raise Malformed(where, f"not an Ed25519 public key in PEM form ({e})") from None
+
+
+def _guarded(check: Any) -> VerifyReport:
+    """Run a verification; a malformed input becomes a report (exit code 2), never a traceback.
+
+    The cyclic garbage collector is paused meanwhile: parsing an export makes millions of objects
+    and no cycles, and its passes would cost a quarter of the time.
+    """
+    report, collecting = VerifyReport(), gc.isenabled()
+    gc.disable()
+    try:
+        check(report)
+    except Malformed as e:
+        return VerifyReport(malformed=True, errors=[*report.errors, str(e)])
+    finally:
+        if collecting:
+            gc.enable()
+    return report
+
+
+# --- the key chain (steps 2 and 7) -------------------------------------------------------------
 
 class _KeyChain:
     """Which key signs checkpoints of which size: the genesis key, then each verified rotation."""
 
-    def __init__(self, genesis: NoteVerifier) -> None:
-        self._keys: list[tuple[int, NoteVerifier]] = [(0, genesis)]
+    def __init__(self, genesis: NoteVerifier, origin: str) -> None:
+        self.keys: list[tuple[int, NoteVerifier]] = [(0, genesis)]
+        self.origin = origin
+
+    @property
+    def genesis(self) -> NoteVerifier:
+        return self.keys[0][1]
 
     def at(self, size: int) -> NoteVerifier:
-        return next(v for start, v in reversed(self._keys) if start <= size)
+        return next(v for start, v in reversed(self.keys) if start <= size)
 
-    def rotate(self, index: int, key: Mapping[str, Any]) -> str | None:
-        """Apply a key-rotation record; return why it is invalid, or None."""
-        active = self._keys[-1][1]
-        if (key.get("old_key_name"), key.get("old_key_id")) != (active.name, active.key_id):
-            return f"names old key {key.get('old_key_name')} {key.get('old_key_id')}, but {active.name} {active.key_id} is active"
+    def rotate(self, index: int, key: Mapping[str, str]) -> str | None:
+        """Apply a key-rotation record (its fields are strings: checked by its schema); return why it is invalid, or None."""
+        active = self.keys[-1][1]
+        if key["origin"] != self.origin:
+            return f"hands over log {key['origin']!r}, not this log {self.origin!r}"
+        if (key["old_key_name"], key["old_key_id"]) != (active.name, active.key_id):
+            return f"names old key {key['old_key_name']} {key['old_key_id']}, but {active.name} {active.key_id} is active"
         try:
-            new = NoteVerifier.from_raw(str(key["new_key_name"]), base64.b64decode(key["new_public_key"], validate=True))
+            new = NoteVerifier.from_raw(key["new_key_name"], base64.b64decode(key["new_public_key"], validate=True))
             signature = base64.b64decode(key["signature"], validate=True)
-        except (KeyError, ValueError, NoteError) as e:
+        except ValueError as e:  # NoteError, binascii.Error
             return f"malformed new key or signature ({e})"
-        if new.key_id != key.get("new_key_id"):
-            return f"new key id {key.get('new_key_id')} does not match the new key ({new.key_id})"
-        if not active.verify(rotation_message(key), signature):
+        if new.key_id != key["new_key_id"]:
+            return f"new key id {key['new_key_id']} does not match the new key ({new.key_id})"
+        try:
+            message = rotation_message(key)
+        except AuditError as e:
+            return f"the hand-over is not canonical JSON ({e})"
+        if not active.verify(message, signature):
             return f"hand-over is not signed by the old key {active.key_id}"
-        self._keys.append((index + 2, new))  # checkpoint index + 1 is still signed by the old key
-        return None
-
-    def contains(self, verifier: NoteVerifier) -> bool:
-        return any(v.raw == verifier.raw for _, v in self._keys)
-
-
-def _parse_note(report: VerifyReport, note: str, label: str) -> Checkpoint | None:
-    try:
-        return Checkpoint.from_note(note)
-    except NoteError as e:
-        report.errors.append(f"{label}: malformed note: {e}")
+        self.keys.append((index + 2, new))  # the checkpoint covering the rotation is still the old key's
         return None
 
 
-def _check_signature(report: VerifyReport, cp: Checkpoint, origin: str, verifier: NoteVerifier, label: str) -> None:
-    if cp.origin != origin:
-        report.errors.append(f"{label} {cp.size}: origin {cp.origin!r} is not the log's {origin!r}")
+# --- one record (step 2 of both) ---------------------------------------------------------------
+
+def _check_record(report: VerifyReport, position: int, rec: Mapping[str, Any], chain: _KeyChain | None) -> bytes:
+    """Check one record; return its leaf hash (for the tree)."""
+    label, body = f"record {position}", rec["body"]
+    if rec["index"] != position:
+        report.errors.append(f"{label}: index {rec['index']} found at position {position} (records deleted, inserted or reordered)")
     try:
-        cp.verify(verifier)
-        report.count("checkpoint_signatures")
-    except NoteError as e:
-        report.errors.append(f"{label} {cp.size}: signature: {e}")
-
-
-def _check_record(report: VerifyReport, position: int, rec: Mapping[str, Any], chain: _KeyChain) -> None:
-    label = f"record {position}"
-    if rec.get("index") != position:
-        report.errors.append(f"{label}: index {rec.get('index')} found at position {position} (records deleted, inserted or reordered)")
-    body = rec.get("body", {})
-    leaf = hash_leaf(canonical(body)).hex()
-    if rec.get("leaf_hash") != leaf:
-        report.errors.append(f"{label}: leaf hash {rec.get('leaf_hash')} does not match the body's {leaf}")
-    report.errors += [f"{label}: schema: {e}" for e in body_errors(body)]
+        entry: bytes | None = canonical_parsed(body)
+        leaf = hash_leaf(entry)
+    except (AuditError, ValueError, TypeError, RecursionError) as e:
+        report.errors.append(f"{label}: body is not canonical JSON ({e})")
+        entry, leaf = None, _NO_LEAF
+    if rec["leaf_hash"] != leaf.hex():
+        report.errors.append(f"{label}: leaf hash {rec['leaf_hash']} does not match the body's {leaf.hex()}")
+    schema = body_errors(body, entry) + ([] if "time" in body else ["'time' missing: the log stamps every record"])
+    report.errors += [f"{label}: schema: {e}" for e in schema]
     report.errors += [f"{label}: witness: {e}" for e in witness_errors(body)]
-    if body.get("kind") == "key-rotation" and isinstance(body.get("key"), Mapping):
+    if chain is not None and body.get("kind") == "key-rotation" and not schema:
         error = chain.rotate(position, body["key"])
         if error:
             report.errors.append(f"{label}: key rotation: {error}")
         else:
             report.count("key_rotations")
     report.count("records")
+    return leaf
 
+
+# --- an export ---------------------------------------------------------------------------------
 
 class _ExportCheck:
     """One pass over an export's records, checking each signed tree head as the tree reaches its size."""
 
-    def __init__(self, report: VerifyReport, doc: Mapping[str, Any], trusted_note: str | None) -> None:
-        self.report, self.origin = report, doc["origin"]
+    def __init__(self, report: VerifyReport, doc: Mapping[str, Any], trusted: Checkpoint | None) -> None:
+        self.report, self.doc, self.origin = report, doc, doc["origin"]
         genesis = doc["keys"][0]
-        self.chain = _KeyChain(NoteVerifier.from_pem(genesis["name"], genesis["public_key_pem"]))
+        self.chain = _KeyChain(_verifier(genesis["name"], genesis["public_key_pem"], "export.keys[0]"), self.origin)
         self.tree, self.last_signed = CompactRange(), 0
+        self.trusted, self.trusted_ok, self.trusted_signer = trusted, False, None
         self.pending: dict[int, list[tuple[Checkpoint, str]]] = {}
-        for note in doc["checkpoints"]:
-            self._expect(note, "checkpoint")
-        if trusted_note is not None:
-            self._expect(trusted_note, "trusted checkpoint")
+        checkpoints = [_checkpoint(n, f"export.checkpoints[{i}]") for i, n in enumerate(doc["checkpoints"])]
+        sizes = [cp.size for cp in checkpoints]
+        if any(a >= b for a, b in zip(sizes, sizes[1:])):
+            report.errors.append(f"export.checkpoints: sizes {sizes[:8]}... are not strictly increasing (checkpoints reordered or repeated)")
+        for cp in checkpoints:
+            self.pending.setdefault(cp.size, []).append((cp, "checkpoint"))
+        if trusted is not None:
+            self.pending.setdefault(trusted.size, []).append((trusted, "trusted checkpoint"))
 
-    def _expect(self, note: str, label: str) -> None:
-        cp = _parse_note(self.report, note, label)
-        if cp is not None:
-            self.pending.setdefault(cp.size, []).append((cp, label))
-
-    def run(self, records: list[Mapping[str, Any]]) -> None:
+    def run(self) -> None:
+        records = self.doc["records"]
         self._reached()
-        for position, rec in enumerate(records):
-            _check_record(self.report, position, rec, self.chain)
-            self.tree.append(hash_leaf(canonical(rec.get("body", {}))))
+        for position, rec in enumerate(records):  # Step 2
+            self.tree.append(_check_record(self.report, position, rec, self.chain))
             self._reached()
-        for size, cps in sorted(self.pending.items()):
+        for size, cps in sorted(self.pending.items()):  # Step 5
             for _, label in cps:
-                self.report.errors.append(
-                    f"{label} {size}: covers {size} records but the export holds {len(records)}: the log was truncated"
-                )
+                self.report.errors.append(f"{label} {size}: covers {size} records but the export holds {len(records)}: the log was truncated")
         if self.last_signed < len(records):
             self.report.errors.append(f"records {self.last_signed}..{len(records) - 1}: not covered by any signed checkpoint")
         else:
             self.report.count("records_included", len(records))
+        self._header(len(records))  # Step 6
 
     def _reached(self) -> None:
-        size, root = self.tree.size, self.tree.root()
-        for cp, label in self.pending.pop(size, []):
-            _check_signature(self.report, cp, self.origin, self.chain.at(size), label)
+        """Steps 3 and 4: the checkpoints (and the trusted one) at the tree's current size."""
+        size = self.tree.size
+        if size not in self.pending:
+            return
+        root = self.tree.root()
+        for cp, label in self.pending.pop(size):
+            signer = self.chain.at(size)
+            signed = self._signature(cp, signer, label)
             if cp.root_hash == root:
                 self.report.count("checkpoint_roots")
             elif label == "checkpoint":
@@ -188,6 +305,61 @@ class _ExportCheck:
                 self.report.errors.append(f"{label} {size}: not consistent with the export: the log was rewritten")
             if label == "checkpoint":
                 self.last_signed = size
+            else:
+                self.trusted_ok, self.trusted_signer = signed and cp.root_hash == root, signer
+
+    def _signature(self, cp: Checkpoint, verifier: NoteVerifier, label: str) -> bool:
+        if cp.origin != self.origin:
+            self.report.errors.append(f"{label} {cp.size}: origin {cp.origin!r} is not the log's {self.origin!r}")
+            return False
+        try:
+            cp.verify(verifier)
+        except NoteError as e:
+            self.report.errors.append(f"{label} {cp.size}: signature: {e}")
+            return False
+        self.report.count("checkpoint_signatures")
+        return True
+
+    def _header(self, n: int) -> None:
+        """Step 6: the parts of the export no signature covers must agree with the signed ones."""
+        if self.doc["size"] != n:
+            self.report.errors.append(f"export.size: says {self.doc['size']} records, but the export holds {n}")
+        keys = self.doc["keys"]
+        if len(keys) != len(self.chain.keys):
+            self.report.errors.append(
+                f"export.keys: lists {len(keys)} keys, but the genesis key and the verified rotations make {len(self.chain.keys)}"
+            )
+        for i, (key, (start, verifier)) in enumerate(zip(keys, self.chain.keys)):
+            listed = (key["name"], key["key_id"], key["public_key_pem"], key["from_size"])
+            if listed != (verifier.name, verifier.key_id, verifier.public_key_pem, start):
+                self.report.errors.append(
+                    f"export.keys[{i}]: {key['name']} {key['key_id']} from size {key['from_size']} is not "
+                    f"{verifier.name} {verifier.key_id} from size {start} (in its one PEM spelling), as the records say"
+                )
+
+
+def _anchor(report: VerifyReport, check: _ExportCheck, pinned: NoteVerifier | None, no_anchor: bool) -> None:
+    """Step 7: the root of trust."""
+    trusted = check.trusted
+    if pinned is not None:
+        if pinned.raw == check.chain.genesis.raw:
+            report.anchor = f"the pinned key is the genesis key {check.chain.genesis.key_id}; every rotation chains from it"
+        elif trusted is not None and check.trusted_ok and check.trusted_signer is not None and check.trusted_signer.raw == pinned.raw:
+            report.anchor = f"the pinned key {check.trusted_signer.key_id} signed the trusted checkpoint {trusted.size}"
+        else:
+            report.errors.append(
+                "root of trust: the pinned public key is not this log's genesis key"
+                + (" nor the key that signed the trusted checkpoint" if trusted is not None else "")
+                + "; a key rotation to it inside the export proves nothing (whoever holds the key it rotates from "
+                "can write one): pin the genesis key, or add a checkpoint the pinned key signed (--trusted-checkpoint)"
+            )
+    elif trusted is not None:
+        if check.trusted_ok:
+            report.anchor = f"the trusted checkpoint {trusted.size} (records 0..{trusted.size - 1} are the ones it covered)"
+    elif no_anchor:
+        report.warnings.append("no root of trust (--no-anchor): this shows internal consistency only, not that this is the real log")
+    else:
+        report.errors.append(f"root of trust: {NO_ANCHOR}")
 
 
 def verify_export(
@@ -195,58 +367,94 @@ def verify_export(
     *,
     trusted_checkpoint: str | Path | None = None,
     public_key_pem: str | None = None,
+    no_anchor: bool = False,
 ) -> VerifyReport:
-    """Verify an export document (a dict or a file); see the module docstring for the checks."""
-    report = VerifyReport()
-    doc = _load(export)
-    if doc.get("format") != EXPORT_FORMAT:
-        report.errors.append(f"export: format {doc.get('format')!r} is not {EXPORT_FORMAT!r}")
-        return report
-    try:
-        check = _ExportCheck(report, doc, _read_note(trusted_checkpoint) if trusted_checkpoint is not None else None)
-        check.run(doc["records"])
-    except (AuditError, KeyError, IndexError, TypeError, ValueError) as e:  # a malformed document, not a crash
-        report.errors.append(f"export: malformed document ({e.__class__.__name__}: {e})")
-        return report
-    if public_key_pem is None:
-        report.warnings.append("no trusted public key given: the export's own genesis key was trusted")
-    elif not check.chain.contains(NoteVerifier.from_pem(doc["keys"][0]["name"], public_key_pem)):
-        report.errors.append("public key: not the genesis key nor any rotated-in key of this log")
-    return report
+    """Verify an export (a file, or a dict as ``json.load`` returns it); see the module docstring.
 
-
-def verify_erasure_proof(proof: dict | Path | str, *, public_key_pem: str | None = None) -> VerifyReport:
-    """Check one erasure proof: record hash, witness, checkpoint signature, inclusion in the checkpoint.
-
-    ``public_key_pem`` is the key the auditor trusts; without it the proof's own key is used (and
-    the report warns), which shows integrity but not who signed.
+    ``trusted_checkpoint`` is a note (text, or a path to a file); ``public_key_pem`` the pinned key.
     """
-    report = VerifyReport()
-    doc = _load(proof)
-    if doc.get("format") != PROOF_FORMAT:
-        report.errors.append(f"proof: format {doc.get('format')!r} is not {PROOF_FORMAT!r}")
-        return report
-    rec, key = doc["record"], doc["public_key"]
-    if public_key_pem is None:
-        report.warnings.append("no trusted public key given: the proof's own key was trusted")
-    verifier = NoteVerifier.from_pem(key["name"], public_key_pem or key["public_key_pem"])
-    index = rec.get("index")
-    _check_record(report, index, rec, _KeyChain(verifier))
-    if rec["body"].get("kind") not in ERASURE_KINDS:
-        report.warnings.append(f"record {index} is a {rec['body'].get('kind')} record, not an erasure")
-    cp = _parse_note(report, doc["checkpoint"], "checkpoint")
-    if cp is None:
-        return report
-    _check_signature(report, cp, cp.origin, verifier, "checkpoint")
+
+    def check(report: VerifyReport) -> None:
+        doc = _read_export(export)  # Step 1
+        pinned = _verifier("pinned", public_key_pem, "public key") if public_key_pem is not None else None
+        trusted = _checkpoint(_trusted_note(trusted_checkpoint), "trusted checkpoint") if trusted_checkpoint is not None else None
+        run = _ExportCheck(report, doc, trusted)
+        run.run()  # Steps 2 to 6
+        _anchor(report, run, pinned, no_anchor)  # Step 7
+
+    return _guarded(check)
+
+
+# --- an erasure proof --------------------------------------------------------------------------
+
+def _read_proof(source: dict | str | Path) -> dict[str, Any]:
+    doc = fields(_document(source, "proof"), "proof", _PROOF)
+    if doc["format"] != PROOF_FORMAT:
+        raise Malformed("proof.format", f"{doc['format']!r} is not {PROOF_FORMAT!r}")
+    fields(doc["record"], "proof.record", _PROOF_RECORD)
+    fields(doc["public_key"], "proof.public_key", _PROOF_KEY)
+    ip = fields(doc["inclusion_proof"], "proof.inclusion_proof", _INCLUSION)
+    for i, h in enumerate(ip["hashes"]):
+        if not (isinstance(h, str) and len(h) == 64 and all(c in "0123456789abcdef" for c in h)):
+            raise Malformed(f"proof.inclusion_proof.hashes[{i}]", "must be 64 lowercase hex digits")
+    return doc
+
+
+def verify_erasure_proof(proof: dict | Path | str, *, public_key_pem: str | None = None, no_anchor: bool = False) -> VerifyReport:
+    """Check one erasure proof (see the module docstring). ``public_key_pem`` is the key the
+    auditor trusts to have signed the proof's checkpoint; without it (and ``no_anchor``) the
+    proof's own key is used, which shows integrity but not who signed."""
+
+    def check(report: VerifyReport) -> None:
+        doc = _read_proof(proof)  # Step 1
+        rec, key = doc["record"], doc["public_key"]
+        cp = _checkpoint(doc["checkpoint"], "proof.checkpoint")
+        if public_key_pem is None and not no_anchor:
+            report.errors.append(
+                "root of trust: none given: the proof carries its own key, and anyone can sign a consistent proof; "
+                "pin the key that signed its checkpoint (--public-key), or pass --no-anchor to accept integrity only"
+            )
+        verifier = _verifier(key["name"], public_key_pem or key["public_key_pem"], "public key" if public_key_pem else "proof.public_key")
+        report.anchor = f"the {'pinned' if public_key_pem else 'proof’s own (--no-anchor)'} key {verifier.key_id}"
+        index = rec["index"]
+        leaf = _check_record(report, index, rec, None)  # Step 2
+        if rec["time"] != rec["body"].get("time"):
+            report.errors.append(f"record {index}: time {rec['time']!r} is not the signed body's {rec['body'].get('time')!r}")
+        kind = rec["body"].get("kind")
+        if kind not in ERASURE_KINDS:
+            report.errors.append(f"record {index}: a {kind!r} record is not an erasure (erasures: {sorted(ERASURE_KINDS)}); it proves no erasure")
+        try:  # Step 3
+            cp.verify(verifier)
+            report.count("checkpoint_signatures")
+        except NoteError as e:
+            report.errors.append(f"checkpoint {cp.size}: signature: {e}")
+        try:  # Step 4
+            ip = InclusionProof.from_dict(doc["inclusion_proof"])
+            if (ip.leaf_index, ip.tree_size) != (index, cp.size):
+                raise ProofError(f"proof is for leaf {ip.leaf_index} in size {ip.tree_size}, not {index} in {cp.size}")
+            ip.verify(leaf, cp.root_hash)
+            report.count("inclusion_proofs")
+        except ProofError as e:
+            report.errors.append(f"record {index}: inclusion: {e}")
+
+    return _guarded(check)
+
+
+# --- from a gateway ----------------------------------------------------------------------------
+
+def _fetch(url: str, api_key: str, client: Any) -> Any:
+    import httpx  # only this entry point needs it
+
+    endpoint = url.rstrip("/") + "/v1/audit/export"
     try:
-        ip = InclusionProof.from_dict(doc["inclusion_proof"])
-        if (ip.leaf_index, ip.tree_size) != (index, cp.size):
-            raise ProofError(f"proof is for leaf {ip.leaf_index} in size {ip.tree_size}, not {index} in {cp.size}")
-        ip.verify(hash_leaf(canonical(rec["body"])), cp.root_hash)
-        report.count("inclusion_proofs")
-    except (ProofError, KeyError, ValueError) as e:
-        report.errors.append(f"record {index}: inclusion: {e}")
-    return report
+        with client or httpx.Client(timeout=300.0) as http:
+            response = http.get(endpoint, headers={"Authorization": f"Bearer {api_key}"})
+    except (httpx.HTTPError, ValueError) as e:  # unreachable, timed out, or not a URL
+        raise Malformed(f"--url {endpoint}", f"cannot fetch the export ({type(e).__name__}: {e})") from None
+    if response.status_code != 200:
+        hint = "; give an admin API key (--api-key or LETHE_API_KEY)" if response.status_code in (401, 403) else ""
+        raise Malformed(f"--url {endpoint}", f"answered HTTP {response.status_code} {response.reason_phrase}{hint}")
+    return load_json(response.content, f"reply of {endpoint}")
 
 
 def verify_url(
@@ -255,42 +463,75 @@ def verify_url(
     api_key: str,
     trusted_checkpoint: str | Path | None = None,
     public_key_pem: str | None = None,
+    no_anchor: bool = False,
     client: Any = None,
 ) -> VerifyReport:
     """Fetch ``GET {url}/v1/audit/export`` with an admin key and verify it like ``verify_export``.
 
     ``client`` is an ``httpx.Client`` to use (a test client, a proxy); by default a new one.
     """
-    import httpx  # only this entry point needs it
+    try:
+        doc = _fetch(url, api_key, client)
+    except Malformed as e:
+        return VerifyReport().refuse(e)
+    if not isinstance(doc, dict):
+        return VerifyReport().refuse(Malformed(f"reply of {url}", "must be an export object"))
+    return verify_export(doc, trusted_checkpoint=trusted_checkpoint, public_key_pem=public_key_pem, no_anchor=no_anchor)
 
-    with client or httpx.Client(timeout=300.0) as http:
-        response = http.get(url.rstrip("/") + "/v1/audit/export", headers={"Authorization": f"Bearer {api_key}"})
-    response.raise_for_status()
-    return verify_export(response.json(), trusted_checkpoint=trusted_checkpoint, public_key_pem=public_key_pem)
+
+# --- the command line --------------------------------------------------------------------------
+
+def run(
+    *,
+    export: Path | None = None,
+    url: str | None = None,
+    proof: Path | None = None,
+    api_key: str | None = None,
+    trusted_checkpoint: Path | None = None,
+    public_key: Path | None = None,
+    no_anchor: bool = False,
+    out: IO[str] | None = None,
+) -> int:
+    """Verify one source, print the report once (stdout if it passed, else stderr), return the exit code.
+
+    Shared by ``python -m audit.verify`` and ``lethe audit verify``.
+    """
+    try:
+        pem = read_text(public_key, f"public key {public_key}") if public_key is not None else None
+    except Malformed as e:
+        report = VerifyReport().refuse(e)
+    else:
+        if proof is not None:
+            report = verify_erasure_proof(proof, public_key_pem=pem, no_anchor=no_anchor)
+        elif url is not None:
+            report = verify_url(url, api_key=api_key or "", trusted_checkpoint=trusted_checkpoint, public_key_pem=pem, no_anchor=no_anchor)
+        else:
+            assert export is not None
+            report = verify_export(export, trusted_checkpoint=trusted_checkpoint, public_key_pem=pem, no_anchor=no_anchor)
+    text = report.summary().encode("utf-8", "backslashreplace").decode("utf-8")  # lone surrogates from the input, escaped
+    print(text, file=out or (sys.stdout if report.ok else sys.stderr))
+    return report.exit_code
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m audit.verify``: the verifier without the gateway installed."""
-    parser = argparse.ArgumentParser(prog="python -m audit.verify", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m audit.verify", description=__doc__.splitlines()[0],
+        epilog="exit codes: 0 verified, 1 a check failed, 2 malformed input or an unusable source",
+    )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--export", type=Path, help="an export file (`lethe audit export`)")
     source.add_argument("--url", help="a gateway base URL; needs --api-key")
     source.add_argument("--proof", type=Path, help="an erasure proof (GET /v1/audit/erasures/N/proof)")
     parser.add_argument("--api-key")
-    parser.add_argument("--trusted-checkpoint", type=Path, help="a checkpoint note saved earlier")
-    parser.add_argument("--public-key", type=Path, help="the log's Ed25519 public key PEM")
+    parser.add_argument("--trusted-checkpoint", type=Path, help="a checkpoint note saved earlier (a root of trust)")
+    parser.add_argument("--public-key", type=Path, help="the log's genesis Ed25519 public key PEM, or the signer of --trusted-checkpoint (a root of trust)")
+    parser.add_argument("--no-anchor", action="store_true", help="accept an export with no root of trust (internal consistency only)")
     args = parser.parse_args(argv)
-    pem = args.public_key.read_text() if args.public_key else None
-    if args.proof:
-        report = verify_erasure_proof(args.proof, public_key_pem=pem)
-    elif args.url:
-        if not args.api_key:
-            parser.error("--url needs --api-key (an admin key)")
-        report = verify_url(args.url, api_key=args.api_key, trusted_checkpoint=args.trusted_checkpoint, public_key_pem=pem)
-    else:
-        report = verify_export(args.export, trusted_checkpoint=args.trusted_checkpoint, public_key_pem=pem)
-    print(report.summary(), file=sys.stdout if report.ok else sys.stderr)
-    return 0 if report.ok else 1
+    if args.url and not args.api_key:
+        parser.error("--url needs --api-key (an admin key)")
+    return run(export=args.export, url=args.url, proof=args.proof, api_key=args.api_key,
+               trusted_checkpoint=args.trusted_checkpoint, public_key=args.public_key, no_anchor=args.no_anchor)
 
 
 if __name__ == "__main__":

@@ -180,11 +180,15 @@ def bench_policy(iterations: int = 5000, opa_url: Annotated[Optional[str], typer
 
 @bench_app.command("audit")
 def bench_audit(records: int = 1_000_000, postgres_url: Annotated[Optional[str], typer.Option()] = None,
-                sqlite_path: Annotated[Optional[Path], typer.Option()] = None, json_out: JsonFlag = False) -> None:
-    """Appends/s on SQLite (and PostgreSQL), proof generation + verification at 10^6 records."""
+                sqlite_path: Annotated[Optional[Path], typer.Option()] = None,
+                verify_records: Annotated[int, typer.Option(help="records in the offline verification run (0: skip)")] = 100_000,
+                json_out: JsonFlag = False) -> None:
+    """Appends/s on SQLite (and PostgreSQL), proofs at 10^6 records, offline verification of 10^5."""
     from audit.bench import run_audit_bench
 
-    _report(run_audit_bench(sqlite_path=sqlite_path, postgres_url=postgres_url, records=records), json_out)
+    _settings()  # logs to stderr at the configured level: stdout carries only the result
+    _report(run_audit_bench(sqlite_path=sqlite_path, postgres_url=postgres_url, records=records,
+                            verify_records=verify_records), json_out)
 
 
 @bench_app.command("gateway")
@@ -200,6 +204,7 @@ def bench_gateway(sessions: int = 8, turns: int = 20, json_out: JsonFlag = False
 
 
 def _verify_live_audit(log: Any) -> bool:
+    """The run's log verifies, anchored to its genesis key (read from this process's own database)."""
     import tempfile
 
     from audit.verify import verify_export
@@ -208,7 +213,7 @@ def _verify_live_audit(log: Any) -> bool:
         path = Path(tmp) / "export.json"
         log.checkpoint()
         log.export(path)
-        return bool(verify_export(path).ok)
+        return bool(verify_export(path, public_key_pem=log.keys()[0]["public_key_pem"]).ok)
 
 
 # ---- gate -----------------------------------------------------------------------------------
@@ -298,22 +303,27 @@ def audit_export(out: Annotated[Path, typer.Option(help="where to write the expo
 @audit_app.command("verify")
 def audit_verify(export: Annotated[Optional[Path], typer.Option(help="an export file")] = None,
                  url: Annotated[Optional[str], typer.Option(help="a gateway URL to fetch the export from")] = None,
+                 proof: Annotated[Optional[Path], typer.Option(help="an erasure proof file")] = None,
                  api_key: Annotated[Optional[str], typer.Option(envvar="LETHE_API_KEY")] = None,
-                 trusted_checkpoint: Annotated[Optional[Path], typer.Option(help="a checkpoint you trust")] = None,
+                 public_key: Annotated[Optional[Path], typer.Option(
+                     help="the log's genesis public key PEM, or the signer of --trusted-checkpoint")] = None,
+                 trusted_checkpoint: Annotated[Optional[Path], typer.Option(help="a checkpoint note you saved earlier")] = None,
+                 no_anchor: Annotated[bool, typer.Option(
+                     "--no-anchor", help="accept an export with no root of trust (internal consistency only)")] = False,
                  ) -> None:
-    """Check signatures, the tree, every inclusion, consistency with a trusted checkpoint, and witnesses."""
-    from audit.verify import verify_export, verify_url
+    """Verify offline against a root of trust (--public-key and/or --trusted-checkpoint).
 
-    if (export is None) == (url is None):
-        raise typer.BadParameter("give exactly one of --export FILE or --url URL")
-    if export is not None:
-        report = verify_export(export, trusted_checkpoint=trusted_checkpoint)
-    else:
-        report = verify_url(url or "", api_key=api_key or "", trusted_checkpoint=trusted_checkpoint)
-    for error in report.errors:
-        typer.echo(f"FAIL {error}", err=True)
-    typer.echo(report.summary() if hasattr(report, "summary") else ("OK" if report.ok else "FAILED"))
-    raise typer.Exit(0 if report.ok else 1)
+    Checks signatures, the tree, every inclusion, consistency with the trusted checkpoint, the key
+    chain and every witness. Exit codes: 0 verified, 1 a check failed, 2 malformed input.
+    """
+    from audit.verify import run
+
+    if sum(x is not None for x in (export, url, proof)) != 1:
+        raise typer.BadParameter("give exactly one of --export FILE, --url URL or --proof FILE")
+    if url is not None and not api_key:
+        raise typer.BadParameter("--url needs --api-key (an admin key) or LETHE_API_KEY")
+    raise typer.Exit(run(export=export, url=url, proof=proof, api_key=api_key, public_key=public_key,
+                         trusted_checkpoint=trusted_checkpoint, no_anchor=no_anchor))
 
 
 @app.command()

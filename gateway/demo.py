@@ -116,10 +116,12 @@ def run_scenario(base_url: str, api_key: str, *, max_tokens: int = 8) -> DemoRep
             index = report.forget["audit_indices"][0]
         proof = http.get(f"/v1/audit/erasures/{index}/proof")
         proof.raise_for_status()
+        # The demo pins the gateway's own key; an auditor pins the key it obtained out of band.
+        pinned = http.get("/v1/audit/public-key").json()["public_key_pem"]
     body = proof.json()["record"]["body"]
     report.forget.setdefault("witness", body.get("witness"))
     report.forget.setdefault("segments", [body.get("segment_id")])
-    result = verify_erasure_proof(proof.json())
+    result = verify_erasure_proof(proof.json(), public_key_pem=pinned)
     report.proof_ok = result.ok
     report.proof_detail = "; ".join(result.errors) or f"record {index} included, signed, witness max|Δ|=0"
     return report

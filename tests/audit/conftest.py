@@ -1,8 +1,12 @@
-"""Shared fixtures: a signer, fresh SQLite and PostgreSQL logs, and a record factory."""
+"""Shared fixtures: a signer, fresh SQLite and PostgreSQL logs, a record factory, an honest export, a forger."""
 from __future__ import annotations
 
+import importlib.util
+import json
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -12,15 +16,23 @@ from audit import AuditLog, Signer
 
 PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
-WITNESS = {
-    "never_saw": True,
-    "equal": True,
-    "max_abs_dk": 0.0,
-    "max_abs_dv": 0.0,
-    "max_abs_dlogits": 0.0,
-    "digest_edited": "e3b0c442",
-    "digest_reference": "e3b0c442",
-}
+
+def forget_witness(span: list[int], tokens: int = 100) -> dict[str, Any]:
+    """A never-saw witness of the shape ``kvkernel.witness.ForgetWitness.to_dict()`` gives."""
+    return {
+        "kind": "never-saw", "equal": True, "argmax_equal": True,
+        "max_abs_dk": 0.0, "max_abs_dv": 0.0, "max_abs_dlogits": 0.0,
+        "digest_edited": "e3b0c442", "digest_reference": "e3b0c442",
+        "survivors_sha256": "0" * 64, "tokens": tokens, "spans": [list(span)],
+    }
+
+
+def amortize_witness(span: list[int]) -> dict[str, Any]:
+    """The shape of ``kvkernel.witness.AmortizeWitness.to_dict()`` (its measured divergence included)."""
+    return {
+        "kind": "amortize", "never_saw": False, "span": list(span), "replacement_tokens": 3, "shift": -2,
+        "kl_mean": 0.03, "kl_max": 0.2, "argmax_agreement": 0.9, "max_abs_dlogits": 1.5, "probe_positions": 8,
+    }
 
 
 def make_record(i: int, *, tenant: str = "acme", kind: str = "forget") -> dict[str, Any]:
@@ -35,10 +47,10 @@ def make_record(i: int, *, tenant: str = "acme", kind: str = "forget") -> dict[s
         "decision": {"action": kind, "reasons": ["secret"], "bundle_hash": "b" * 64},
         "actor": "test",
     }
-    if kind == "forget":
-        record["witness"] = dict(WITNESS)
+    if kind in ("forget", "retention-forget"):
+        record["witness"] = forget_witness(record["span"])
     if kind == "amortize":
-        record["witness"] = {"never_saw": False, "divergence": 0.03}
+        record["witness"] = amortize_witness(record["span"])
     return record
 
 
@@ -79,3 +91,31 @@ def pg_url() -> Iterator[str]:
     with admin.connect() as conn:
         conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
     admin.dispose()
+
+
+def _load_forge() -> ModuleType:
+    """tests/audit/forge.py, the attacker's toolkit (test directories are not packages here)."""
+    spec = importlib.util.spec_from_file_location("audit_forge", Path(__file__).with_name("forge.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def forge() -> ModuleType:
+    return _load_forge()
+
+
+@pytest.fixture
+def honest(tmp_path, signer) -> Iterator[tuple[AuditLog, dict[str, Any], Path]]:
+    """A log of every kind (forgets, quarantines, amortizes, retention-forgets, policy bundles) and
+    its export, parsed; the export file and the genesis key PEM lie in ``tmp_path``."""
+    log = AuditLog(f"sqlite:///{tmp_path / 'honest.db'}", signer, batch_size=8)
+    kinds = ["forget", "quarantine", "amortize", "retention-forget", "policy-bundle"]
+    for start in range(0, 20, 4):  # checkpoints at 8 and 16; the export signs 20
+        log.append_many([make_record(i, kind=kinds[i % 5]) for i in range(start, start + 4)])
+    log.export(tmp_path / "export.json")
+    (tmp_path / "genesis.pem").write_text(signer.public_key_pem)
+    yield log, json.loads((tmp_path / "export.json").read_text()), tmp_path / "export.json"
+    log.close()

@@ -50,8 +50,9 @@ def test_invalid_records_are_refused_and_nothing_is_written(sqlite_log, record, 
 
 def test_amortize_must_say_it_is_not_an_erasure(sqlite_log, record):
     sqlite_log.append(record(0, kind="amortize"))
-    with pytest.raises(AuditError, match="never_saw: false"):
-        sqlite_log.append({**record(1, kind="amortize"), "witness": {"never_saw": True, "divergence": 0.1}})
+    amortize = record(1, kind="amortize")
+    with pytest.raises(AuditError, match="never_saw must be false"):
+        sqlite_log.append({**amortize, "witness": {**amortize["witness"], "never_saw": True}})
 
 
 def test_checkpoints_are_batched_and_proofs_verify(sqlite_log, record):
@@ -111,9 +112,11 @@ def test_key_rotation_is_a_record_signed_by_the_old_key(sqlite_url, record, sign
     assert log.public_key()["key_id"] == new.key_id
     assert [k["key_id"] for k in log.keys()] == [signer.key_id, new.key_id]
     log.export(tmp_path / "export.json")
-    for trusted in (signer, new):
-        report = verify_export(tmp_path / "export.json", public_key_pem=trusted.public_key_pem)
-        assert report.ok and report.checked["key_rotations"] == 1, report.summary()
+    report = verify_export(tmp_path / "export.json", public_key_pem=signer.public_key_pem)  # the genesis key
+    assert report.ok and report.checked["key_rotations"] == 1, report.summary()
+    signed_by_new = log.checkpoint().note
+    report = verify_export(tmp_path / "export.json", public_key_pem=new.public_key_pem, trusted_checkpoint=signed_by_new)
+    assert report.ok and "signed the trusted checkpoint" in report.anchor, report.summary()
     assert verify_erasure_proof(log.erasure_proof(2), public_key_pem=new.public_key_pem).ok
     with pytest.raises(AuditError, match="active key"):  # a replica still holding the old key
         AuditLog(sqlite_url, signer)

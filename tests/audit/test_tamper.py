@@ -14,7 +14,7 @@ from audit import AuditLog, Signer
 from audit.merkle import hash_leaf
 from audit.note import Checkpoint
 from audit.records import canonical
-from audit.verify import verify_export
+from audit.verify import NO_ANCHOR, verify_export
 
 N = 40  # records; batch_size 8 gives checkpoints at 8, 16, 24, 32, 40
 
@@ -148,6 +148,7 @@ def test_truncating_records_and_checkpoints_is_caught_by_the_trusted_checkpoint(
     doc = copy.deepcopy(export)
     del doc["records"][16:]
     doc["checkpoints"] = doc["checkpoints"][:2]
+    doc["size"] = 16
     assert verify_export(doc, public_key_pem=signer.public_key_pem).ok  # nothing inside the export shows it...
     report = verify_export(doc, trusted_checkpoint=filled[1], public_key_pem=signer.public_key_pem)
     assert any(e.startswith("trusted checkpoint 24: covers 24 records but the export holds 16") for e in report.errors)
@@ -156,7 +157,8 @@ def test_truncating_records_and_checkpoints_is_caught_by_the_trusted_checkpoint(
 def test_history_rewritten_and_resigned_with_another_key_is_detected(export, filled, signer):
     forger = Signer.generate()
     doc = copy.deepcopy(export)
-    modify_and_rehash(doc)
+    doc["records"][5]["body"]["segment_id"] = "seg-FORGED"
+    _rehash(doc["records"][5])
     tree_roots = {}
     from audit.merkle import CompactRange
 
@@ -169,9 +171,10 @@ def test_history_rewritten_and_resigned_with_another_key_is_detected(export, fil
         for n in doc["checkpoints"]
     ]
     doc["keys"] = [{**doc["keys"][0], "key_id": forger.key_id, "public_key_pem": forger.public_key_pem}]
-    assert verify_export(doc).ok  # self-consistent forgery: only trust anchors can catch it
+    assert verify_export(doc, no_anchor=True).ok  # self-consistent forgery: only trust anchors can catch it
+    assert verify_export(doc).errors == [f"root of trust: {NO_ANCHOR}"]
     report = verify_export(doc, public_key_pem=signer.public_key_pem)
-    assert any(e.startswith("public key: not the genesis key") for e in report.errors)
+    assert any(e.startswith("root of trust: the pinned public key is not this log's genesis key") for e in report.errors)
     report = verify_export(doc, trusted_checkpoint=filled[1])
     assert any(e.startswith("trusted checkpoint 24: signature") for e in report.errors)
 

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from fastapi import FastAPI, Header, HTTPException
 from fastapi.testclient import TestClient
 
@@ -61,3 +62,16 @@ def test_verify_url_fetches_the_export_with_an_admin_key(sqlite_log, record, sig
         "http://testserver", api_key="s3cret", public_key_pem=signer.public_key_pem, client=TestClient(app)
     )
     assert report.ok and report.checked["records"] == 9, report.summary()
+
+
+@pytest.mark.slow
+def test_the_audit_bench_verifies_an_honest_export_and_reports_its_time(tmp_path):
+    from typer.testing import CliRunner
+
+    from gateway.cli import app as cli
+
+    result = CliRunner().invoke(cli, ["bench", "audit", "--json", "--records", "300", "--verify-records", "200",
+                                      "--sqlite-path", str(tmp_path / "bench.db")])
+    assert result.exit_code == 0, result.output
+    verify = json.loads(result.output.strip().splitlines()[-1])["verify"]
+    assert verify["records"] == 200 and verify["checkpoints"] == 200 // 64 + 1 and verify["verify_s"] > 0

@@ -64,14 +64,18 @@ def test_audit_verify_cli_on_export(live_gateway, scenario, tmp_path, monkeypatc
     result = runner.invoke(cli, ["audit", "export", "--out", str(export)])
     assert result.exit_code == 0, result.output
     assert LEAKED_KEY not in export.read_text() and "Ignore all previous" not in export.read_text()
+    pem = tmp_path / "audit-genesis.pem"
+    pem.write_text(live_gateway.state.audit.keys()[0]["public_key_pem"])
     result = runner.invoke(cli, ["audit", "verify", "--export", str(export)])
+    assert result.exit_code == 1 and "root of trust" in result.output, result.output  # no anchor: not accepted
+    result = runner.invoke(cli, ["audit", "verify", "--export", str(export), "--public-key", str(pem)])
     assert result.exit_code == 0, result.output
     # tampering with one record is caught and named
     doc = json.loads(export.read_text())
     _tamper_first_forget(doc)
     export.write_text(json.dumps(doc))
-    result = runner.invoke(cli, ["audit", "verify", "--export", str(export)])
-    assert result.exit_code != 0
+    result = runner.invoke(cli, ["audit", "verify", "--export", str(export), "--public-key", str(pem)])
+    assert result.exit_code == 1 and "leaf hash" in result.output, result.output
 
 
 def _tamper_first_forget(doc: dict) -> None:

@@ -18,7 +18,7 @@ def test_concurrent_sessions_keep_order_and_audit(live_gateway, tmp_path):
     audit = live_gateway.state.audit
     audit.checkpoint()
     audit.export(tmp_path / "export.json")
-    report = verify_export(tmp_path / "export.json")
+    report = verify_export(tmp_path / "export.json", public_key_pem=audit.keys()[0]["public_key_pem"])
     assert report.ok, report.errors
     quarantines = audit.list(kind="quarantine", limit=1000)
     assert {r.body["session"] for r in quarantines} >= set(result["session_ids"])  # turn 4 of each is injected
