@@ -30,7 +30,8 @@ __all__ = [
     "witness_errors",
 ]
 
-KINDS = frozenset({"forget", "quarantine", "amortize", "retention-forget", "policy-bundle", "key-rotation"})
+KINDS = frozenset({"forget", "quarantine", "amortize", "retention-forget", "policy-bundle", "key-rotation",
+                   "redact", "mcp-call", "mcp-result"})  # redact and mcp-* record what was shown, not erasures
 ERASURE_KINDS = frozenset({"forget", "retention-forget", "quarantine"})  # amortize is explicitly not an erasure
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
