@@ -35,15 +35,23 @@ def gate_input(report: GateReport, injection: float | None = None) -> dict[str, 
                          for f in report.findings]}
 
 
+Cutter = Callable[[bytes, GateReport, tuple[str, ...]], Redaction]
+
+
+def _cut(data: bytes, report: GateReport, kinds: tuple[str, ...]) -> Redaction:
+    return redact(data, report.findings, kinds)
+
+
 def apply_redact(gate: Gate, policy: PolicyEngine, data: bytes, report: GateReport, decision: Decision,
-                 ask: Callable[[GateReport, int], dict[str, Any]]) -> Screened:
+                 ask: Callable[[GateReport, int], dict[str, Any]], cut: Cutter = _cut) -> Screened:
     """Carry out a `redact` decision on `data` (whose scan is `report`); other decisions pass through.
 
-    `ask(rescan, n_bytes)` builds the policy input for the redacted bytes.
+    `ask(rescan, n_bytes)` builds the policy input for the redacted bytes; `cut` redacts (the MCP
+    proxy cuts a document of several parts part by part).
     """
     if decision.action != "redact":
         return Screened(decision)
-    redaction = redact(data, report.findings, decision.redact_kinds)
+    redaction = cut(data, report, decision.redact_kinds)
     rescan = gate.scan(redaction.data)
     second = policy.decide(ask(rescan, len(redaction.data)))
     if redaction.cuts and second.action == "allow":
