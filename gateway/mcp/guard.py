@@ -290,7 +290,7 @@ class Guard:
                                     decision.non_text)
         withhold = [doc.sha256, *doc.part_digests()] if decision.action == "quarantine" else []
         body = self._body("mcp-result", call, doc, report, decision, screened.redaction)
-        body["non_text"] = {"blocks": non_text, "action": decision.non_text}
+        body.update(non_text={"blocks": non_text, "action": decision.non_text}, parts_sha256=doc.part_digests())
         crossing, index = self._record(call, "result", doc.sha256, decision, body, withhold, call_record)
         if decision.action == "quarantine":
             reason = "result-size" if report is None else _reason(report)
@@ -319,7 +319,7 @@ class Guard:
             crossing = self.ledger.crossings.record(
                 tenant=call.tenant, session_id=call.session_id, channel="mcp", upstream=call.upstream, tool=call.tool,
                 phase=phase, content_sha256=sha256, action=decision.action,
-                meta={**{k: v for k, v in body.items() if k in ("gate", "decision", "redaction", "non_text")},
+                meta={**{k: v for k, v in body.items() if k in ("gate", "decision", "redaction", "non_text", "parts_sha256")},
                       **({"call": {k: call_record[k] for k in ("content_sha256", "gate", "decision") if k in call_record}}
                          if call_record else {})},
                 withhold=withhold)
