@@ -156,6 +156,14 @@ def bench_gate(megabytes: int = 10, json_out: JsonFlag = False) -> None:
     _report(run_gate_bench(megabytes=megabytes), json_out)
 
 
+@bench_app.command("mcp")
+def bench_mcp(clients: int = 8, calls: int = 50, json_out: JsonFlag = False) -> None:
+    """MCP proxy overhead per tool call beyond the gate's scan: p50/p99 over concurrent clients."""
+    from .mcp.bench import run_mcp_bench
+
+    _report(run_mcp_bench(clients=clients, calls=calls), json_out)
+
+
 @bench_app.command("policy")
 def bench_policy(iterations: int = 5000, opa_url: Annotated[Optional[str], typer.Option()] = None,
                  json_out: JsonFlag = False) -> None:
