@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -54,18 +54,26 @@ class CrossingLog:
         self._engine = engine
         self._serial = serial
 
-    def record(self, *, tenant: str, session_id: str | None, channel: str, upstream: str, tool: str, phase: str,
-               content_sha256: str, action: str, meta: dict[str, Any], withhold: Iterable[str] = ()) -> Crossing:
-        """One row; `withhold` are digests (the whole result's and each part's) to refuse on re-entry."""
-        row = Crossing("crs_" + secrets.token_hex(12), tenant, session_id, channel, upstream, tool, phase,
-                       content_sha256, action, datetime.now(timezone.utc), meta)
-        values = {k: v for k, v in row.__dict__.items()}
+    @staticmethod
+    def new(*, tenant: str, session_id: str | None, channel: str, upstream: str, tool: str, phase: str,
+            content_sha256: str, action: str, meta: dict[str, Any]) -> Crossing:
+        """A crossing with its id, not yet written (its id can go into other records first)."""
+        return Crossing("crs_" + secrets.token_hex(12), tenant, session_id, channel, upstream, tool, phase,
+                        content_sha256, action, datetime.now(timezone.utc), meta)
+
+    def write(self, rows: list[tuple[Crossing, Iterable[str]]]) -> None:
+        """Crossings, each with the digests it withholds, in one transaction (one commit for a batch)."""
+        withheld_rows = [{"tenant": c.tenant, "sha256": d, "crossing_id": c.id}
+                         for c, digests in rows for d in sorted(set(digests))]
         with self._serial, self._engine.connect().execution_options(**{WRITE: True}) as conn, conn.begin():
-            conn.execute(insert(crossings).values(**values))
-            digests = sorted(set(withhold))
-            if digests:
-                conn.execute(_insert_ignore(conn), [{"tenant": tenant, "sha256": d, "crossing_id": row.id}
-                                                    for d in digests])
+            conn.execute(insert(crossings), [asdict(c) for c, _ in rows])
+            if withheld_rows:
+                conn.execute(_insert_ignore(conn), withheld_rows)
+
+    def record(self, *, withhold: Iterable[str] = (), **fields: Any) -> Crossing:
+        """One crossing written on its own; `withhold` are digests to refuse on re-entry."""
+        row = self.new(**fields)
+        self.write([(row, withhold)])
         return row
 
     def list(self, tenant: str, session_id: str | None = None) -> list[Crossing]:

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mcp.types as types
@@ -32,11 +33,12 @@ import structlog
 
 from audit import AuditLog
 from gate import Cut, Finding, Gate, GateReport, Redaction, redact
-from ledger import Ledger
+from ledger import CrossingLog, Ledger
 from policies import Decision, PolicyEngine
 
 from ..screen import Screened, apply_redact, gate_input
 from ..tenants import Principal
+from .recorder import Recorder
 
 log = structlog.get_logger(__name__)
 
@@ -56,6 +58,7 @@ class Call:
     session_id: str | None
     upstream: str
     tool: str  # the exported name, `<upstream>__<tool>`: set by the proxy's routing, never by the client
+    spent: dict[str, float] = field(default_factory=dict)  # seconds per component, for the overhead figure
 
     @property
     def tenant(self) -> str:
@@ -217,14 +220,18 @@ class Guard:
 
     def __init__(self, gate: Gate, policy: PolicyEngine, ledger: Ledger, audit: AuditLog,
                  max_result_bytes: int) -> None:
-        self.gate, self.policy, self.ledger, self.audit = gate, policy, ledger, audit
+        self.gate, self.policy = gate, policy
+        self.recorder = Recorder(ledger, audit)
         self.max_result_bytes = max_result_bytes
 
     def _scan(self, data: bytes, call: Call) -> GateReport:
+        started = time.perf_counter()
         try:
             return self.gate.scan(data, tool=call.tool)
         except Exception as exc:
             raise ScreeningError(f"the gate failed ({type(exc).__name__}); nothing was passed on") from exc
+        finally:
+            call.spent["gate"] = call.spent.get("gate", 0.0) + time.perf_counter() - started
 
     def _input(self, call: Call, phase: str, report: GateReport, n_bytes: int) -> dict[str, Any]:
         # No tokenizer at this boundary: 4 bytes a token is the estimate the span limits see.
@@ -314,17 +321,17 @@ class Guard:
 
     def _record(self, call: Call, phase: str, sha256: str, decision: Decision, body: dict[str, Any],
                 withhold: list[str], call_record: dict[str, Any] | None = None) -> tuple[str, int]:
-        """Ledger first, then audit: a decision whose record cannot be written is not acted on."""
+        """Ledger and audit, committed before anything is acted on: a decision whose record
+        cannot be written is not acted on (the caller gets a ScreeningError)."""
+        meta = {k: v for k, v in body.items() if k in ("gate", "decision", "redaction", "non_text", "parts_sha256")}
+        if call_record:
+            meta["call"] = {k: call_record[k] for k in ("content_sha256", "gate", "decision") if k in call_record}
+        crossing = CrossingLog.new(tenant=call.tenant, session_id=call.session_id, channel="mcp",
+                                   upstream=call.upstream, tool=call.tool, phase=phase, content_sha256=sha256,
+                                   action=decision.action, meta=meta)
+        records = [{**r, "crossing": crossing.id} for r in ([call_record] if call_record else []) + [body]]
         try:
-            crossing = self.ledger.crossings.record(
-                tenant=call.tenant, session_id=call.session_id, channel="mcp", upstream=call.upstream, tool=call.tool,
-                phase=phase, content_sha256=sha256, action=decision.action,
-                meta={**{k: v for k, v in body.items() if k in ("gate", "decision", "redaction", "non_text", "parts_sha256")},
-                      **({"call": {k: call_record[k] for k in ("content_sha256", "gate", "decision") if k in call_record}}
-                         if call_record else {})},
-                withhold=withhold)
-            records = ([{**call_record, "crossing": crossing.id}] if call_record else []) + [{**body, "crossing": crossing.id}]
-            index = self.audit.append_many(records)[-1]
+            index = self.recorder.write(crossing, withhold, records)
         except Exception as exc:
             log.error("mcp.record_failed", tool=call.tool, error=type(exc).__name__)
             raise ScreeningError(f"the decision could not be recorded ({type(exc).__name__}); "

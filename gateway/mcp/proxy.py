@@ -7,6 +7,7 @@ over HTTP, the tenant named at start over stdio), never from the request's argum
 """
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -22,12 +23,13 @@ from ledger import Ledger
 
 from .. import __version__
 from ..tenants import Principal
-from .guard import Call, Guard, ScreeningError
+from .guard import Call, Guard, Outcome, ScreeningError
 from .settings import McpSettings
 from .upstream import Upstreams, UpstreamError
 
 log = structlog.get_logger(__name__)
 
+META_KEY = "io.lethe/decision"
 UPSTREAM_FAILED = -32001  # JSON-RPC server-error range: the upstream failed, the proxy did not
 
 
@@ -48,10 +50,14 @@ class Proxy:
         self.guard = guard
         self.ledger = ledger
         self._upstreams: Upstreams | None = None
+        self._limiter: anyio.CapacityLimiter | None = None
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator["Proxy"]:
         """Hold the upstream connections open for the lifetime of the block."""
+        # Few guard threads: each thread compiles its own copy of the policy bundle (~20 ms), and on
+        # a CPU host more threads than cores only queue for them.
+        self._limiter = anyio.CapacityLimiter(4)
         async with anyio.create_task_group() as tg:
             self._upstreams = Upstreams(self.settings, tg)
             await self._upstreams.start()
@@ -81,6 +87,9 @@ class Proxy:
                       instructions="Lethe screens every tool result and every call's arguments; "
                                    "a withheld result names the reason.")
 
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+
     def linked_session(self, principal: Principal, session_id: str | None) -> str | None:
         """The chat session to link results to; another tenant's (or an unknown) id is refused."""
         if session_id is None:
@@ -91,22 +100,35 @@ class Proxy:
         return session_id
 
     async def call(self, caller: Caller, name: str, arguments: dict[str, Any]) -> types.CallToolResult:
+        started = time.perf_counter()
         route = self.upstreams.route(name)
         if route is None:
             raise MCPError(types.INVALID_PARAMS, f"unknown tool {name!r}: this proxy serves only the "
                                                  "`<upstream>__<tool>` names that tools/list returns")
-        session = await anyio.to_thread.run_sync(self.linked_session, caller.principal, caller.session_id)
+        session = await self._off_loop(self.linked_session, caller.principal, caller.session_id)
         call = Call(caller.principal, session, route[0], name)
         try:
-            refusal, record = await anyio.to_thread.run_sync(self.guard.check_arguments, call, arguments)
+            refusal, record = await self._off_loop(self.guard.check_arguments, call, arguments)
             if refusal is not None:
-                return refusal.result
+                return _stamped(refusal, call, started)
+            upstream_started = time.perf_counter()
             try:
                 result = await self.upstreams.call(route[0], route[1], arguments)
             except UpstreamError as exc:
-                await anyio.to_thread.run_sync(self.guard.upstream_failed, call, record, str(exc))
+                await self._off_loop(self.guard.upstream_failed, call, record, str(exc))
                 raise MCPError(UPSTREAM_FAILED, str(exc)) from exc
-            outcome = await anyio.to_thread.run_sync(self.guard.screen_result, call, result, record)
+            call.spent["upstream"] = time.perf_counter() - upstream_started
+            outcome = await self._off_loop(self.guard.screen_result, call, result, record)
         except ScreeningError as exc:
             raise MCPError(types.INTERNAL_ERROR, f"lethe could not screen this call: {exc}") from exc
-        return outcome.result
+        return _stamped(outcome, call, started)
+
+
+def _stamped(outcome: Outcome, call: Call, started: float) -> types.CallToolResult:
+    """The result with the decision in `_meta` (the crossing id an auditor looks up, and the proxy's
+    own time: the handler's wall time less the upstream's and the gate's)."""
+    own = time.perf_counter() - started - call.spent.get("upstream", 0.0) - call.spent.get("gate", 0.0)
+    meta = {**(outcome.result.meta or {}), META_KEY: {
+        "action": outcome.decision.action, "crossing": outcome.crossing_id, "audit_index": outcome.audit_index,
+        "overhead_ms": round(own * 1e3, 3), "gate_ms": round(call.spent.get("gate", 0.0) * 1e3, 3)}}
+    return outcome.result.model_copy(update={"meta": meta})
