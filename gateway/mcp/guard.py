@@ -248,8 +248,8 @@ class Guard:
             return report, Screened(decision), None
         texts: list[str] = []
 
-        def cut(data: bytes, found: GateReport, kinds: tuple[str, ...]) -> Redaction:
-            parts = doc.split(found.findings, kinds)
+        def cut(_data: bytes, found: GateReport, kinds: tuple[str, ...]) -> Redaction:
+            parts = doc.split(found.findings, kinds)  # _data is doc.data; cut part by part
             texts[:] = [r.data.decode("utf-8", "surrogatepass") for r in parts]
             cuts = tuple(c for r, (s, _) in zip(parts, doc.spans) for c in _moved(r, s))
             return Redaction(Document.of(texts).data, cuts, doc.sha256)
@@ -261,8 +261,9 @@ class Guard:
     # -- arguments ---------------------------------------------------------------------------------
 
     def check_arguments(self, call: Call, arguments: dict[str, Any]) -> tuple[Outcome | None, dict[str, Any]]:
-        """(refusal, None-able) and the call's `mcp-call` record. An allowed call's record is written
-        with its result, in one transaction (`screen_result` or `upstream_failed`)."""
+        """The refusal (None when the call may go ahead) and the call's `mcp-call` record. An allowed
+        call's record is written later with its result, in one commit (`screen_result` or
+        `upstream_failed`); a refused call's is written here."""
         doc = Document.of(list(_json_parts(arguments)))
         report, screened, _ = self._decide(call, "arguments", doc)
         decision = screened.decision
