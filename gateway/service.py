@@ -519,7 +519,10 @@ class Gateway:
 
     def _screen(self, principal: Principal, live: LiveSession, m: RenderedMessage, report: GateReport,
                 decision: Any) -> Screened:
-        """Refuse bytes the MCP proxy withheld from this tenant, then carry out a redact decision."""
+        """Refuse bytes the MCP proxy withheld from this tenant, then carry out a redact decision.
+
+        The redacted bytes' re-scan is the byte gate's alone: the probe read the original's staged
+        states, and an injection it flagged there already outranked the redaction (quarantine)."""
         decision = refuse_withheld(self.p.ledger.crossings, principal.tenant or "", m.content_sha256, decision)
         return apply_redact(self.p.gate, self.p.policy, m.content, report, decision,
                             lambda rescan, _n: self._decision_input(principal, live, m, Verdict.of(rescan, None, None)))
