@@ -9,7 +9,8 @@
 #     "tool":    string,
 #     "channel": "chat" | "mcp"          (optional; absent means chat)
 #     "upstream": string                 (mcp only: the upstream server the proxy routed to)
-#     "phase":   "result" | "arguments"  (mcp only: a tool's result, or a call's arguments)
+#     "phase":   "result" | "arguments" | "definition"
+#                                        (mcp only: a tool's result, a call's arguments, a tool's listing)
 #     "span":    {"bytes": number, "tokens": number},
 #     "gate":    {"injection": number in [0, 1], "secret": number in [0, 1],
 #                 "findings": [{"kind": string, "rule_id": string, "layer": string, "score": number}]}

@@ -14,7 +14,9 @@ content with its key beside it (`_json_parts`); they are scanned as one document
 still one instruction. Content the gate cannot read (images, audio, blobs, resource links) is
 passed or withheld as the policy's `non_text` says, and a withheld block leaves a text stub
 behind: nothing disappears silently. A call's arguments are screened the same way (phase
-"arguments"); anything but `allow` refuses the call before it reaches the upstream.
+"arguments"); anything but `allow` refuses the call before it reaches the upstream. So is each
+tool's definition (phase "definition"): a tool whose description carries an injection is
+neither listed nor callable.
 
 Fail closed: if the gate, the ledger or the audit log fails, the agent gets an error and no
 content. Records hold digests, kinds and offsets, never the content.
@@ -223,6 +225,7 @@ class Guard:
         self.gate, self.policy = gate, policy
         self.recorder = Recorder(ledger, audit)
         self.max_result_bytes = max_result_bytes
+        self._definitions: dict[tuple[str, str, str], Decision] = {}
 
     def _scan(self, data: bytes, call: Call) -> GateReport:
         started = time.perf_counter()
@@ -244,7 +247,7 @@ class Guard:
         """Scan, decide, and for a result carry out a redact; returns the redacted parts' texts too."""
         report = self._scan(doc.data, call)
         decision = self.policy.decide(self._input(call, phase, report, len(doc.data)))
-        if phase == "arguments" or decision.action != "redact":
+        if phase != "result" or decision.action != "redact":
             return report, Screened(decision), None
         texts: list[str] = []
 
@@ -257,6 +260,27 @@ class Guard:
         screened = apply_redact(self.gate, self.policy, doc.data, report, decision,
                                 lambda rescan, n: self._input(call, "result", rescan, n), cut)
         return report, screened, texts if screened.decision.action == "redact" else None
+
+    # -- tool definitions ---------------------------------------------------------------------------
+
+    def screen_tool(self, call: Call, tool: types.Tool) -> Decision:
+        """Whether the agent may see and call this tool: its definition (description, titles, schema
+        text) reaches the agent's model too, so a poisoned description is an injection like any
+        other. Screened once per tenant and distinct definition; anything but allow hides the tool."""
+        doc = Document.of(list(_json_parts(tool.model_dump(mode="json", exclude={"name"}, exclude_none=True))))
+        key = (call.tenant, call.tool, doc.sha256)
+        decision = self._definitions.get(key)
+        if decision is not None:
+            return decision
+        report, screened, _ = self._decide(call, "definition", doc)
+        decision = screened.decision
+        if decision.action != "allow":
+            body = {**self._body("mcp-result", call, doc, report, decision, None), "phase": "definition"}
+            self._record(call, "definition", doc.sha256, decision, body, [])
+        if len(self._definitions) >= 4096:
+            self._definitions.clear()
+        self._definitions[key] = decision
+        return decision
 
     # -- arguments ---------------------------------------------------------------------------------
 

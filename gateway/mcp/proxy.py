@@ -76,9 +76,12 @@ class Proxy:
 
     def server(self, caller_of: CallerOf) -> Server[Any]:
         async def list_tools(ctx: Any, params: types.PaginatedRequestParams | None) -> types.ListToolsResult:
-            caller_of(ctx)
-            tools = await self.upstreams.tools()
-            return types.ListToolsResult(tools=[t.model_copy(update={"name": name}) for name, t in tools])
+            caller = caller_of(ctx)
+            shown = []
+            for name, tool in await self.upstreams.tools():
+                if await self._definition_allowed(caller, name, tool):
+                    shown.append(tool.model_copy(update={"name": name}))
+            return types.ListToolsResult(tools=shown)
 
         async def call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
             return await self.call(caller_of(ctx), params.name, dict(params.arguments or {}))
@@ -86,6 +89,14 @@ class Proxy:
         return Server("lethe-mcp", version=__version__, on_list_tools=list_tools, on_call_tool=call_tool,
                       instructions="Lethe screens every tool result and every call's arguments; "
                                    "a withheld result names the reason.")
+
+    async def _definition_allowed(self, caller: Caller, name: str, tool: types.Tool) -> bool:
+        call = Call(caller.principal, None, name.split("__", 1)[0], name)
+        try:
+            decision = await self._off_loop(self.guard.screen_tool, call, tool)
+        except ScreeningError as exc:
+            raise MCPError(types.INTERNAL_ERROR, f"lethe could not screen tool {name!r}: {exc}") from exc
+        return bool(decision.action == "allow")
 
     async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
@@ -105,6 +116,13 @@ class Proxy:
         if route is None:
             raise MCPError(types.INVALID_PARAMS, f"unknown tool {name!r}: this proxy serves only the "
                                                  "`<upstream>__<tool>` names that tools/list returns")
+        try:
+            definition = await self.upstreams.definition(*route)
+        except UpstreamError as exc:
+            raise MCPError(UPSTREAM_FAILED, str(exc)) from exc
+        if not await self._definition_allowed(caller, name, definition):
+            raise MCPError(types.INVALID_PARAMS, f"tool {name!r} is withheld by policy: its definition did not "
+                                                 "pass the gate (see the audit log's definition record)")
         session = await self._off_loop(self.linked_session, caller.principal, caller.session_id)
         call = Call(caller.principal, session, route[0], name)
         try:

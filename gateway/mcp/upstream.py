@@ -136,13 +136,19 @@ class Upstreams:
             return None
         return parts
 
-    async def call(self, upstream: str, tool: str, arguments: Mapping[str, Any]) -> types.CallToolResult:
-        """The upstream's result, or UpstreamError; never waits longer than the call timeout."""
+    async def definition(self, upstream: str, tool: str) -> types.Tool:
+        """The tool as the upstream lists it (listing again once if it is not there yet)."""
         link = await self.link(upstream)
         if tool not in link.tools:
             link = await self._refresh(upstream, link)
             if tool not in link.tools:
                 raise UpstreamError(f"upstream {upstream!r} has no tool {tool!r}; list the tools again")
+        return link.tools[tool]
+
+    async def call(self, upstream: str, tool: str, arguments: Mapping[str, Any]) -> types.CallToolResult:
+        """The upstream's result, or UpstreamError; never waits longer than the call timeout."""
+        await self.definition(upstream, tool)
+        link = await self.link(upstream)
         limit = self._settings.call_timeout_s
         try:
             with anyio.fail_after(limit):

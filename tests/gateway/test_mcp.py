@@ -146,6 +146,7 @@ HTTP_ONLY: list[tuple[str, str, dict[str, Any]]] = [
     ("http_upstream_secret", "web__read_file", {"path": "credentials"}),
     ("hostile_junk", "bad__junk", {}),
     ("hostile_notjson", "bad__notjson", {}),
+    ("poisoned_definition", "bad__notes", {}),
 ]
 
 
@@ -306,6 +307,12 @@ def test_http_upstream_is_screened_like_a_stdio_one(http_run: dict[str, Any]) ->
 def test_malformed_upstream_replies_become_mcp_errors(http_run: dict[str, Any], label: str) -> None:
     got = http_run[label]
     assert got.result is None and "upstream 'bad'" in got.error and got.seconds < 30
+
+
+def test_a_tool_with_a_poisoned_description_is_neither_listed_nor_callable(http_run: dict[str, Any]) -> None:
+    assert "bad__junk" in http_run["tools"] and "bad__notes" not in http_run["tools"]
+    got = http_run["poisoned_definition"]
+    assert got.result is None and "tool 'bad__notes' is withheld by policy" in got.error
 
 
 # ---- tenancy --------------------------------------------------------------------------------------

@@ -69,13 +69,18 @@ def _call(proxy: Proxy, name: str, args: dict[str, Any]) -> tuple[Any, str | Non
     return anyio.run(go)
 
 
-def test_gate_failure_on_arguments_refuses_the_call(tmp_path: Path) -> None:
+def test_gate_failure_on_the_tools_definition_refuses_the_call(tmp_path: Path) -> None:
     result, error = _call(_proxy(tmp_path, gate=FailingGate(good=0)), "fx__weather", {"city": "Paris"})
+    assert result is None and "lethe could not screen tool 'fx__weather': the gate failed (RuntimeError)" in error
+
+
+def test_gate_failure_on_arguments_refuses_the_call(tmp_path: Path) -> None:
+    result, error = _call(_proxy(tmp_path, gate=FailingGate(good=1)), "fx__weather", {"city": "Paris"})
     assert result is None and "lethe could not screen this call: the gate failed (RuntimeError)" in error
 
 
 def test_gate_failure_on_the_result_passes_nothing_on(tmp_path: Path) -> None:
-    result, error = _call(_proxy(tmp_path, gate=FailingGate(good=1)), "fx__weather", {"city": "Paris"})
+    result, error = _call(_proxy(tmp_path, gate=FailingGate(good=2)), "fx__weather", {"city": "Paris"})
     assert result is None and "the gate failed" in error and "Paris: 18" not in error
 
 
