@@ -32,7 +32,8 @@ __all__ = [
     "witness_errors",
 ]
 
-KINDS = frozenset({"forget", "quarantine", "amortize", "retention-forget", "policy-bundle", "key-rotation"})
+KINDS = frozenset({"forget", "quarantine", "amortize", "retention-forget", "policy-bundle", "key-rotation",
+                   "redact", "mcp-call", "mcp-result"})  # redact and mcp-* record what was shown, not erasures
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _TIME = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{6}Z")

@@ -4,5 +4,6 @@ from .core import Gate, scan
 from .errors import GateError
 from .findings import Finding, GateReport
 from .probe import InjectionProbe
+from .redact import Cut, Redaction, placeholder, redact
 
-__all__ = ["Finding", "Gate", "GateError", "GateReport", "InjectionProbe", "scan"]
+__all__ = ["Cut", "Finding", "Gate", "GateError", "GateReport", "InjectionProbe", "Redaction", "placeholder", "redact", "scan"]

@@ -81,6 +81,27 @@ def serve(host: Annotated[Optional[str], typer.Option()] = None,
     uvicorn.run(create_app(s), host=host or s.host, port=port or s.port, log_config=None, access_log=False)
 
 
+@app.command()
+def mcp(upstream: Annotated[Optional[list[str]], typer.Option(
+            help="NAME=COMMAND ARGS... (stdio) or NAME=https://host/mcp; repeat for several")] = None,
+        tenant: Annotated[Optional[str], typer.Option(help="stdio: the tenant this process speaks for")] = None,
+        user: Annotated[Optional[str], typer.Option(help="stdio: the user, for the records")] = None,
+        session: Annotated[Optional[str], typer.Option(help="stdio: the chat session to link results to")] = None,
+        http: Annotated[bool, typer.Option(help="serve streamable HTTP at /mcp (API keys) instead of stdio")] = False,
+        host: Annotated[Optional[str], typer.Option()] = None,
+        port: Annotated[Optional[int], typer.Option(help="HTTP port (default LETHE_MCP_PORT)")] = None) -> None:
+    """MCP proxy: every tool call's arguments and result screened by gate and policy, recorded, audited."""
+    from .mcp.run import run_http, run_stdio
+
+    s = _settings()
+    if http:
+        run_http(s, upstream or [], host or s.host, port or s.mcp_port)
+    elif tenant is None:
+        raise typer.BadParameter("stdio needs --tenant (the tenant this process speaks for); or pass --http")
+    else:
+        run_stdio(s, upstream or [], tenant, user, session)
+
+
 # ---- tenants and keys -----------------------------------------------------------------------
 
 def _tenants():  # type: ignore[no-untyped-def]
@@ -167,6 +188,14 @@ def bench_gate(megabytes: int = 10, json_out: JsonFlag = False) -> None:
     from gate.bench import run_gate_bench
 
     _report(run_gate_bench(megabytes=megabytes), json_out)
+
+
+@bench_app.command("mcp")
+def bench_mcp(clients: int = 8, calls: int = 50, json_out: JsonFlag = False) -> None:
+    """MCP proxy overhead per tool call beyond the gate's scan: p50/p99 over concurrent clients."""
+    from .mcp.bench import run_mcp_bench
+
+    _report(run_mcp_bench(clients=clients, calls=calls), json_out)
 
 
 @bench_app.command("policy")

@@ -80,6 +80,14 @@ class Settings(BaseSettings):
     max_inflight: int = 32
     retention_sweep_s: float = 30.0
 
+    # the MCP proxy (`lethe mcp`): upstreams as TOML [[mcp_upstreams]] tables or a JSON list in
+    # LETHE_MCP_UPSTREAMS, each {name, command: [argv...] | url, env, headers}; `--upstream` adds more
+    mcp_upstreams: list[dict[str, Any]] = Field(default_factory=list)
+    mcp_port: int = 8090
+    mcp_call_timeout_s: float = 30.0
+    mcp_connect_timeout_s: float = 20.0
+    mcp_max_result_bytes: int = 1_000_000
+
     @classmethod
     def settings_customise_sources(
         cls,

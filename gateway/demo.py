@@ -36,7 +36,7 @@ LEAKED_KEY = "sk-proj-" + "Xq8Zr2Lw9XvN4mK7pJ5hY1cB6dF0gH3sA9eR" + "T3BlbkFJ" + 
 CONFIG_FILE = f"# deploy/.env\nAPP_ENV=production\nOPENAI_API_KEY={LEAKED_KEY}\nLOG_LEVEL=info\n"
 DEMO_TENANT = "demo"
 # The demo tenant admits secrets for review and keeps them 10 minutes (so that the erasure API
-# has something to forget); the shipped default forgets them right after the turn.
+# has something to forget); the shipped default redacts them (see policies/decision.rego).
 DEMO_POLICY_DATA = {"lethe": {"tenants": {DEMO_TENANT: {
     "admit_sensitive": True, "sensitive_action": "allow", "retention": {"classes": {"secret": 600}}}}}}
 

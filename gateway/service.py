@@ -30,6 +30,7 @@ from policies import PolicyEngine, PolicyError, derive_salt
 from .chat import ChatMessage, Chunk, Conversation, RenderedMessage, stub_text
 from .errors import GatewayError, not_found, unavailable
 from .metrics import Metrics
+from .screen import Screened, apply_redact, refuse_withheld
 from .tenants import Principal
 
 log = structlog.get_logger(__name__)
@@ -349,6 +350,8 @@ class Gateway:
             return ()
         if seg.state in (SegmentState.QUARANTINED, SegmentState.AMORTIZED):
             return conv.stub(k, _stub_reason_of(seg))
+        if "redaction" in seg.meta and seg.replacement_sha256:  # only the redacted text ever entered
+            return conv.chunk(k, self.p.ledger.content.get(seg.replacement_sha256).decode("utf-8", "replace"))
         return conv.chunk(k)
 
     def _reconcile(self, live: LiveSession, conv: Conversation) -> int:
@@ -468,19 +471,22 @@ class Gateway:
         with own:
             verdict = Verdict.of(report, probe, self.p.probe)
             decision = self.p.policy.decide(self._decision_input(principal, live, m, verdict))
+            screened = self._screen(principal, live, m, report, decision)
+            decision = screened.decision
         self.p.metrics.gate_verdicts.labels(verdict.label).inc()
         self.p.metrics.actions.labels(decision.action).inc()
         quarantined = decision.action == "quarantine"
         reason = _stub_reason(verdict, decision.reasons)
         tokens = m.tokens
-        if quarantined:  # the content leaves exactly as it came; a stub takes its place
-            tokens = conv.stub(m.index, reason)
+        if quarantined or screened.redaction is not None:  # the content leaves; a stub or its redaction enters
+            tokens = conv.stub(m.index, reason) if quarantined else \
+                conv.chunk(m.index, screened.redaction.data.decode("utf-8", "replace"))  # type: ignore[union-attr]
             self._compute(live.cache.rollback)
             self._compute(live.cache.stage, tokens)
         action = Action(m.index, None, m.tool, decision.action, decision.reasons, verdict.summary())
         try:
             with own:
-                segment = self._record_admission(principal, live, m, tokens, verdict, decision, reason, action)
+                segment = self._record_admission(principal, live, m, tokens, verdict, screened, reason, action)
         except GatewayError:
             self._compute(live.cache.rollback)
             raise
@@ -511,6 +517,16 @@ class Gateway:
             content = {layer: s[head:len(m.tokens) - tail].float().numpy() for layer, s in states.items()}
             return probe.score(content)
 
+    def _screen(self, principal: Principal, live: LiveSession, m: RenderedMessage, report: GateReport,
+                decision: Any) -> Screened:
+        """Refuse bytes the MCP proxy withheld from this tenant, then carry out a redact decision.
+
+        The redacted bytes' re-scan is the byte gate's alone: the probe read the original's staged
+        states, and an injection it flagged there already outranked the redaction (quarantine)."""
+        decision = refuse_withheld(self.p.ledger.crossings, principal.tenant or "", m.content_sha256, decision)
+        return apply_redact(self.p.gate, self.p.policy, m.content, report, decision,
+                            lambda rescan, _n: self._decision_input(principal, live, m, Verdict.of(rescan, None, None)))
+
     def _decision_input(self, principal: Principal, live: LiveSession, m: RenderedMessage,
                         verdict: Verdict) -> dict[str, Any]:
         age = (datetime.now(timezone.utc) - _utc(live.record.created_at)).total_seconds()
@@ -523,21 +539,31 @@ class Gateway:
         }
 
     def _record_admission(self, principal: Principal, live: LiveSession, m: RenderedMessage,
-                          tokens: tuple[int, ...], verdict: Verdict, decision: Any, reason: str,
+                          tokens: tuple[int, ...], verdict: Verdict, screened: Screened, reason: str,
                           action: Action) -> Segment:
-        """Ledger, then audit (for quarantine). If the audit write fails, the new segment is
-        superseded again and the caller rolls the stage back: no span without its record."""
+        """Ledger, then audit (for quarantine and redact). If the audit write fails, the new segment
+        is superseded again and the caller rolls the stage back: no span without its record.
+
+        A redacted segment stores only the redacted bytes; its gate summary is the re-scan's (so
+        retention classes it by what entered), the original's is kept beside it."""
+        decision, red = screened.decision, screened.redaction
         state = SegmentState.QUARANTINED if decision.action == "quarantine" else SegmentState.LIVE
-        data_class = "secret" if verdict.report.secret >= 0.5 else "quarantined" \
+        redacted = red is not None and decision.action == "redact"
+        data_class = "secret" if verdict.report.secret >= 0.5 and not redacted else "quarantined" \
             if state is SegmentState.QUARANTINED else "normal"
         meta = {"gate": verdict.summary(), "decision": decision.to_dict(), "stub_reason": reason}
+        if redacted:
+            meta.update(gate=screened.rescan.summary(), gate_original=verdict.summary(),  # type: ignore[union-attr]
+                        redaction=red.to_dict())  # type: ignore[union-attr]
         segment = self.p.ledger.append(live.record.id, role=m.role, tool=m.tool, content=m.content,
-                                       n_tokens=len(tokens), state=state, data_class=data_class, meta=meta)
-        if state is SegmentState.QUARANTINED:
+                                       n_tokens=len(tokens), state=state, data_class=data_class, meta=meta,
+                                       replacement=red.data if redacted else None)  # type: ignore[union-attr]
+        if state is SegmentState.QUARANTINED or redacted:
             try:
-                action.audit_index = self.p.audit.append(self._record(
-                    "quarantine", live, segment.id, (segment.start, segment.end), len(m.tokens), m.content_sha256,
-                    verdict.summary(), decision.to_dict(), _actor(principal), None))
+                body = self._record("redact" if redacted else "quarantine", live, segment.id,
+                                    (segment.start, segment.end), len(m.tokens), m.content_sha256,
+                                    verdict.summary(), decision.to_dict(), _actor(principal), None)
+                action.audit_index = self.p.audit.append({**body, "redaction": red.to_dict()} if redacted else body)
             except Exception:
                 self.p.ledger.truncate(live.record.id, segment.start)
                 raise

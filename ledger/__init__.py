@@ -5,12 +5,15 @@ and token_count equals the kernel's cache length. Persisted through SQLAlchemy (
 PostgreSQL), content stored content-addressed so that a forget also erases stored content.
 """
 from .content import ContentStore
+from .crossings import Crossing, CrossingLog
 from .errors import LedgerError, LedgerInvariantError, UnknownSegment, UnknownSession
 from .ledger import Ledger
 from .records import Segment, SegmentState, SessionRecord
 
 __all__ = [
     "ContentStore",
+    "Crossing",
+    "CrossingLog",
     "Ledger",
     "LedgerError",
     "LedgerInvariantError",

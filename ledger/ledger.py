@@ -17,7 +17,8 @@ from typing import Any
 import structlog
 from sqlalchemy import Connection, Row, bindparam, exc, insert, select, update
 
-from .content import ContentStore
+from .content import ContentStore, sha256_hex
+from .crossings import CrossingLog
 from .errors import LedgerError, UnknownSegment, UnknownSession
 from .invariants import verify_tiling
 from .records import CONTENT_RETIRED, IN_CACHE, Segment, SegmentState, SessionRecord
@@ -98,6 +99,7 @@ class Ledger:
         self._serial: AbstractContextManager[object] = threading.RLock() if in_memory else nullcontext()
         metadata.create_all(self._engine, checkfirst=True)
         self.content = ContentStore(self._engine, self._serial)
+        self.crossings = CrossingLog(self._engine, self._serial)
 
     def close(self) -> None:
         self._engine.dispose()
@@ -259,12 +261,17 @@ class Ledger:
         state: SegmentState = SegmentState.LIVE,
         data_class: str = "normal",
         meta: dict[str, Any] | None = None,
+        replacement: bytes | None = None,
     ) -> Segment:
         """Add a segment at the tail of the cache: [token_count, token_count + n_tokens).
 
         For a QUARANTINED segment, `n_tokens` counts the stub that entered the cache in place of
         the content; `content` is what identifies it (typically the original tool result, so that a
         re-sent history finds the segment with `find_by_content`).
+
+        With `replacement` (a redacted tool result), only the replacement is stored: `content`
+        gives the segment its identity (its digest), but its bytes, which held the secret, are not
+        kept anywhere.
         """
         state = SegmentState(state)
         if state not in _APPENDABLE:
@@ -274,14 +281,16 @@ class Ledger:
         with self._write(session_id) as (conn, sess):
             seg = Segment(
                 id=_new_segment_id(), session_id=session_id, seq=sess.next_seq, role=role, tool=tool,
-                content_sha256=self.content.put_in(conn, content), start=sess.token_count,
-                end=sess.token_count + n_tokens, state=state, created_at=self._clock(),
+                content_sha256=sha256_hex(content) if replacement is not None else self.content.put_in(conn, content),
+                start=sess.token_count, end=sess.token_count + n_tokens, state=state, created_at=self._clock(),
                 data_class=data_class, meta=dict(meta or {}),
+                replacement_sha256=self.content.put_in(conn, replacement) if replacement is not None else None,
             )
             conn.execute(_INSERT_SEGMENT, {
                 "id": seg.id, "session_id": session_id, "seq": seg.seq, "role": role, "tool": tool,
                 "content_sha256": seg.content_sha256, "tok_start": seg.start, "tok_end": seg.end, "state": state.value,
                 "created_at": seg.created_at, "data_class": data_class, "meta": seg.meta,
+                "replacement_sha256": seg.replacement_sha256,
             })
             conn.execute(_ADVANCE_SESSION, {"session_id": session_id, "new_count": seg.end, "new_seq": seg.seq + 1})
         log.debug("ledger.append", session_id=session_id, segment_id=seg.id, state=state.value, n_tokens=n_tokens)

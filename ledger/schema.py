@@ -59,6 +59,34 @@ segments = Table(
     Index("ix_ledger_segments_replacement", "replacement_sha256"),
 )
 
+# What crossed a boundary other than the KV cache (the MCP proxy): one row per decision, hashes
+# only. `withheld` lists the digests a boundary quarantined, per tenant, so the chat endpoint can
+# refuse them later (no foreign key: a crossing may name no chat session).
+crossings = Table(
+    "ledger_crossings",
+    metadata,
+    Column("id", String(40), primary_key=True),
+    Column("tenant", String(200), nullable=False),
+    Column("session_id", String(200)),
+    Column("channel", String(16), nullable=False),
+    Column("upstream", String(200), nullable=False),
+    Column("tool", String(200), nullable=False),
+    Column("phase", String(16), nullable=False),
+    Column("content_sha256", String(64), nullable=False),
+    Column("action", String(16), nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    Column("meta", JSON, nullable=False),
+    Index("ix_ledger_crossings_tenant_session", "tenant", "session_id"),
+)
+
+withheld = Table(
+    "ledger_withheld",
+    metadata,
+    Column("tenant", String(200), primary_key=True),
+    Column("sha256", String(64), primary_key=True),
+    Column("crossing_id", String(40), nullable=False),
+)
+
 blobs = Table(
     "ledger_blobs",
     metadata,

@@ -7,11 +7,17 @@
 #     "user":    string | null,
 #     "session": {"id": string, "age_s": number, "tokens": number},
 #     "tool":    string,
+#     "channel": "chat" | "mcp"          (optional; absent means chat)
+#     "upstream": string                 (mcp only: the upstream server the proxy routed to)
+#     "phase":   "result" | "arguments" | "definition"
+#                                        (mcp only: a tool's result, a call's arguments, a tool's listing)
 #     "span":    {"bytes": number, "tokens": number},
 #     "gate":    {"injection": number in [0, 1], "secret": number in [0, 1],
 #                 "findings": [{"kind": string, "rule_id": string, "layer": string, "score": number}]}
 #   }
-# Output: {"action": "allow" | "quarantine" | "forget" | "amortize", "reasons": [string, ...]}
+# Output: {"action": "allow" | "quarantine" | "redact" | "forget" | "amortize", "reasons": [string, ...],
+#          "redact_kinds": [string, ...]   (only with action "redact": the finding kinds to cut out),
+#          "non_text": "pass" | "withhold"  (only on channel "mcp": images, audio and blobs the gate cannot read)}
 #
 # Every reason starts with the name of the rule that fired ("injection_threshold: ...").
 # All rules that fire are reported; the action comes from the highest-ranked one:
@@ -21,20 +27,36 @@
 #                                       (trusted tools use thresholds.trusted_injection)
 #   3 span_limit           quarantine   span longer than max_span_tokens
 #   3 session_budget       quarantine   session would grow past max_session_tokens
-#   4 secret_threshold     forget       secret score at or over the tenant's threshold
-#   4 sensitive_finding    forget       the gate found a kind listed in sensitive_kinds
-#     (rank 4 yields amortize instead of forget only when the tenant sets
-#      amortize_opt_in: true and sensitive_action: "amortize", and allow only when it
-#      sets admit_sensitive: true and sensitive_action: "allow")
+#   4 secret_threshold     redact       secret score at or over the tenant's threshold
+#   4 sensitive_finding    redact       the gate found a kind listed in sensitive_kinds
+#     (redact: the gateway cuts every finding of a sensitive kind out, re-scans, and admits only
+#      the redacted text. Rank 4 yields forget (the model reads the result for one turn, then it
+#      is erased exactly) when the tenant sets sensitive_action: "forget"; amortize only when it
+#      sets amortize_opt_in: true and sensitive_action: "amortize"; allow only when it sets
+#      admit_sensitive: true and sensitive_action: "allow")
 #   9 default_allow        allow        nothing above fired
 package lethe
 
 import rego.v1
 
-decision := {"action": ranked[0][2], "reasons": [hit[1] | some hit in ranked]} if {
-	# [rank, reason, action] sorts by rank, then reason: deterministic in every engine.
-	ranked := sort([[h.rank, h.reason, h.action] | some h in decision_hits])
-}
+decision := object.union_n([
+	{"action": decision_action, "reasons": [hit[1] | some hit in decision_ranked]},
+	decision_redact,
+	decision_non_text,
+])
+
+# [rank, reason, action] sorts by rank, then reason: deterministic in every engine.
+decision_ranked := sort([[h.rank, h.reason, h.action] | some h in decision_hits])
+
+decision_action := decision_ranked[0][2]
+
+decision_redact := {"redact_kinds": sort([k | some k in tenant_settings.sensitive_kinds])} if decision_action == "redact"
+
+else := {}
+
+decision_non_text := {"non_text": tenant_settings.mcp.non_text} if input.channel == "mcp"
+
+else := {}
 
 decision_fired contains {"rank": 0, "action": "quarantine", "reason": sprintf("input_invalid: %s", [problem])} if {
 	some problem in decision_input_problems
@@ -105,7 +127,9 @@ else := "allow" if {
 	tenant_settings.sensitive_action == "allow"
 }
 
-else := "forget"
+else := "forget" if tenant_settings.sensitive_action == "forget"
+
+else := "redact"
 
 # Input checks. A field check is a rule, never `not f(input.x)`: with input.x undefined
 # that expression is true in regorus but undefined in OPA.

@@ -13,6 +13,8 @@ tenants := {
 	"half": {"sensitive_action": "amortize"},
 	"review": {"admit_sensitive": true, "sensitive_action": "allow"},
 	"halfreview": {"sensitive_action": "allow"},
+	"forgetful": {"sensitive_action": "forget"},
+	"agents": {"mcp": {"trusted_tools": ["docs/search"], "blocked_tools": ["shell/exec"], "non_text": "pass"}},
 }
 
 defaults := object.union(data.lethe.defaults, {"blocked_tools": ["shell.exec"]})
@@ -76,21 +78,62 @@ test_tenant_cannot_trust_a_globally_blocked_tool if {
 	d.reasons == ["blocked_tool: tool shell.exec is blocked for tenant acme"]
 }
 
-test_secret_score_leads_to_forget if {
+test_secret_score_leads_to_redact_by_default if {
 	d := decide(req("acme", "web.fetch", {"injection": 0.1, "secret": 0.97, "findings": []}))
+	d == {"action": "redact", "reasons": ["secret_threshold: secret 0.97 >= 0.50"], "redact_kinds": ["credential", "pii", "secret"]}
+}
+
+test_sensitive_finding_leads_to_redact_by_default if {
+	finding := {"kind": "credential", "rule_id": "aws-access-key", "layer": "regex", "score": 1}
+	d := decide(req("acme", "web.fetch", {"injection": 0.1, "secret": 0.2, "findings": [finding]}))
+	d.action == "redact"
+	d.reasons == ["sensitive_finding: credential finding aws-access-key (layer regex)"]
+}
+
+test_redact_kinds_follow_the_tenants_sensitive_kinds if {
+	d := data.lethe.decision with input as req("t", "web.fetch", {"injection": 0, "secret": 0.9, "findings": []})
+		with data.lethe.tenants as {"t": {"sensitive_kinds": ["secret"]}}
+		with data.lethe.defaults as defaults
+	d.redact_kinds == ["secret"]
+}
+
+test_forget_stays_available_by_tenant_policy if {
+	d := decide(req("forgetful", "web.fetch", {"injection": 0.1, "secret": 0.97, "findings": []}))
 	d == {"action": "forget", "reasons": ["secret_threshold: secret 0.97 >= 0.50"]}
 }
 
-test_sensitive_finding_leads_to_forget if {
-	finding := {"kind": "credential", "rule_id": "aws-access-key", "layer": "regex", "score": 1}
-	d := decide(req("acme", "web.fetch", {"injection": 0.1, "secret": 0.2, "findings": [finding]}))
-	d == {"action": "forget", "reasons": ["sensitive_finding: credential finding aws-access-key (layer regex)"]}
+test_only_redact_carries_redact_kinds if {
+	not decide(req("acme", "web.fetch", clean)).redact_kinds
+	not decide(req("forgetful", "web.fetch", {"injection": 0.1, "secret": 0.97, "findings": []})).redact_kinds
+}
+
+mcp_req(tenant, tool, gate) := object.union(req(tenant, tool, gate), {"channel": "mcp", "upstream": "docs", "phase": "result"})
+
+test_mcp_trusted_tool_uses_trusted_threshold_on_channel_mcp_only if {
+	gate := {"injection": 0.85, "secret": 0, "findings": []}
+	decide(mcp_req("agents", "docs/search", gate)).action == "allow"
+	decide(req("agents", "docs/search", gate)).action == "quarantine"
+}
+
+test_chat_trust_does_not_carry_over_to_mcp if {
+	decide(mcp_req("acme", "search.internal", {"injection": 0.85, "secret": 0, "findings": []})).action == "quarantine"
+}
+
+test_mcp_blocked_tool_quarantines if {
+	d := decide(mcp_req("agents", "shell/exec", clean))
+	d.reasons == ["blocked_tool: tool shell/exec is blocked for tenant agents"]
+}
+
+test_non_text_is_withheld_by_default_and_passed_by_tenant_policy if {
+	decide(mcp_req("acme", "web/fetch", clean)).non_text == "withhold"
+	decide(mcp_req("agents", "web/fetch", clean)).non_text == "pass"
+	not decide(req("agents", "web/fetch", clean)).non_text
 }
 
 test_amortize_only_with_explicit_opt_in if {
 	gate := {"injection": 0.1, "secret": 0.9, "findings": []}
 	decide(req("optin", "web.fetch", gate)).action == "amortize"
-	decide(req("acme", "web.fetch", gate)).action == "forget"
+	decide(req("acme", "web.fetch", gate)).action == "redact"
 }
 
 test_admit_sensitive_only_with_both_switches if {
@@ -98,15 +141,15 @@ test_admit_sensitive_only_with_both_switches if {
 	d := decide(req("review", "read_file", gate))
 	d.action == "allow"
 	d.reasons == ["secret_threshold: secret 0.90 >= 0.50"]
-	decide(req("halfreview", "read_file", gate)).action == "forget"
+	decide(req("halfreview", "read_file", gate)).action == "redact"
 }
 
 test_admitted_secret_still_quarantined_when_injected if {
 	decide(req("review", "read_file", {"injection": 0.95, "secret": 0.9, "findings": []})).action == "quarantine"
 }
 
-test_sensitive_action_without_opt_in_flag_still_forgets if {
-	decide(req("half", "web.fetch", {"injection": 0.1, "secret": 0.9, "findings": []})).action == "forget"
+test_sensitive_action_without_opt_in_flag_still_redacts if {
+	decide(req("half", "web.fetch", {"injection": 0.1, "secret": 0.9, "findings": []})).action == "redact"
 }
 
 test_injection_outranks_secret_and_all_reasons_are_kept if {

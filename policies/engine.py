@@ -17,7 +17,7 @@ import structlog
 
 from policies.backends import Backend, EmbeddedBackend, OpaBackend, engine_error, rule_ref
 from policies.bundle import Bundle, load_bundle
-from policies.model import ACTIONS, SCOPES, Decision, ErasureDecision, PolicyError, Retention, Tenancy
+from policies.model import ACTIONS, NON_TEXT, SCOPES, Decision, ErasureDecision, PolicyError, Retention, Tenancy
 
 log = structlog.get_logger(__name__)
 
@@ -83,7 +83,7 @@ class PolicyEngine:
         return self._evaluate(self._active, rule_path, input)
 
     def decide(self, input: dict) -> Decision:
-        """allow | quarantine | forget | amortize for one tool result. Never raises; errors quarantine."""
+        """allow | quarantine | redact | forget | amortize for one tool result. Never raises; errors quarantine."""
         active = self._active
         try:
             return _decision(self._evaluate(active, "lethe/decision", input), active.bundle.hash)
@@ -168,7 +168,14 @@ def _decision(result: dict, bundle_hash: str) -> Decision:
     action = result.get("action")
     if action not in ACTIONS:
         raise PolicyError(f"malformed data.lethe.decision: unknown action {action!r}")
-    return Decision(action, _reasons(result, "data.lethe.decision"), bundle_hash)
+    kinds = result.get("redact_kinds", [])
+    if action == "redact" and (not isinstance(kinds, list) or not kinds or not all(isinstance(k, str) and k for k in kinds)):
+        raise PolicyError(f"malformed data.lethe.decision: redact needs redact_kinds, a non-empty list of strings, got {kinds!r}")
+    non_text = result.get("non_text", "withhold")
+    if non_text not in NON_TEXT:
+        raise PolicyError(f"malformed data.lethe.decision: non_text must be 'pass' or 'withhold', got {non_text!r}")
+    return Decision(action, _reasons(result, "data.lethe.decision"), bundle_hash,
+                    tuple(kinds) if action == "redact" else (), non_text)
 
 
 def _tenancy(result: dict, bundle_hash: str) -> Tenancy:

@@ -7,7 +7,8 @@ import hmac
 from dataclasses import dataclass
 from typing import Any
 
-ACTIONS = frozenset({"allow", "quarantine", "forget", "amortize"})
+ACTIONS = frozenset({"allow", "quarantine", "redact", "forget", "amortize"})
+NON_TEXT = frozenset({"pass", "withhold"})
 SCOPES = frozenset({"tenant", "tenant_user", "public"})
 
 
@@ -17,14 +18,23 @@ class PolicyError(Exception):
 
 @dataclass(frozen=True)
 class Decision:
-    """What happens to one tool result: allow, quarantine, forget or amortize, and why."""
+    """What happens to one tool result: allow, quarantine, redact, forget or amortize, and why.
+
+    `redact_kinds` (redact only) names the finding kinds to cut out; `non_text` (MCP only) says
+    whether content the gate cannot read (images, audio, blobs) passes or is withheld.
+    """
 
     action: str
     reasons: tuple[str, ...]
     bundle_hash: str
+    redact_kinds: tuple[str, ...] = ()
+    non_text: str = "withhold"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"action": self.action, "reasons": list(self.reasons), "bundle_hash": self.bundle_hash}
+        out: dict[str, Any] = {"action": self.action, "reasons": list(self.reasons), "bundle_hash": self.bundle_hash}
+        if self.action == "redact":
+            out["redact_kinds"] = list(self.redact_kinds)
+        return out
 
 
 @dataclass(frozen=True)

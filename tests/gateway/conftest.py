@@ -1,9 +1,13 @@
 """A real gateway on loopback (uvicorn in a thread) over the session's one real model."""
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -11,6 +15,7 @@ import pytest
 from gateway.app import AppState
 from gateway.config import Settings
 from gateway.demo import local_gateway
+from policies import PolicyEngine
 
 
 @dataclass
@@ -36,3 +41,25 @@ def live_gateway(real_model, tmp_path_factory) -> Iterator[Live]:
     with local_gateway(settings, model=real_model) as gw:
         state: AppState = gw.app.state.lethe
         yield Live(gw.base, gw.key, state, Path(state.settings.data_dir))
+
+
+@contextmanager
+def tenant_policy(engine: PolicyEngine, tmp: Path, tenants: dict[str, Any]) -> Iterator[Path]:
+    """Reload `engine` with `tenants` merged into data.lethe.tenants; restore the old bundle after."""
+    original = engine.bundle_dir
+    bundle = tmp / "bundle"
+    shutil.copytree(original, bundle)
+    path = bundle / "data" / "tenants.json"
+    data = json.loads(path.read_text()) if path.exists() else {"lethe": {"tenants": {}}}
+    data["lethe"]["tenants"].update(tenants)
+    path.write_text(json.dumps(data))
+    engine.reload(bundle)
+    try:
+        yield bundle
+    finally:
+        engine.reload(original)
+
+
+@pytest.fixture
+def with_tenant_policy() -> Callable[..., Any]:
+    return tenant_policy

@@ -142,13 +142,14 @@ def test_salted_system_prompt_cache_is_per_scope(live_gateway):
     assert gw.cache(first) is not gw.cache(second)
 
 
-def test_a_failed_turn_still_erases_what_policy_admitted_for_it(live_gateway):
-    """The default tenant forgets secrets after the turn; a turn that fails later must still do it."""
+def test_a_failed_turn_still_erases_what_policy_admitted_for_it(live_gateway, tmp_path, with_tenant_policy):
+    """A tenant whose policy forgets secrets after the turn: a turn that fails later must still do it."""
     from gateway.demo import CONFIG_FILE
 
     key = live_gateway.new_key("strictco", user="carol")
     messages = [*TOOL_TURN[:2], {"role": "tool", "tool_call_id": "c1", "content": CONFIG_FILE}]
-    with live_gateway.client(key) as http:
+    with with_tenant_policy(live_gateway.state.policy, tmp_path, {"strictco": {"sensitive_action": "forget"}}), \
+            live_gateway.client(key) as http:
         failed = chat(http, messages, max_tokens=9_000)  # admitted, then refused: context window
         assert failed.status_code == 400
         sessions = live_gateway.state.ledger.list_sessions("strictco")

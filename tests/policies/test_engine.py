@@ -23,7 +23,7 @@ FAULTY_DECISION = """package lethe
 
 import rego.v1
 
-decision := {"action": "allow", "reasons": ["test_allow: ok"]} if not input.tool in {"ghost", "conflict", "bogus", "noreasons", "string", "div"}
+decision := {"action": "allow", "reasons": ["test_allow: ok"]} if not input.tool in {"ghost", "conflict", "bogus", "noreasons", "string", "div", "nokinds", "nontext"}
 
 decision := {"action": "allow", "reasons": ["a"]} if input.tool == "conflict"
 
@@ -34,6 +34,10 @@ decision := {"action": "delete-everything", "reasons": ["x"]} if input.tool == "
 decision := {"action": "allow"} if input.tool == "noreasons"
 
 decision := "allow" if input.tool == "string"
+
+decision := {"action": "redact", "reasons": ["r"]} if input.tool == "nokinds"
+
+decision := {"action": "allow", "reasons": ["r"], "non_text": "maybe"} if input.tool == "nontext"
 
 decision := {"action": "allow", "reasons": [sprintf("%v", [1 / input.span.bytes])]} if input.tool == "div"
 """
@@ -48,7 +52,9 @@ def test_shipped_bundle_answers_the_four_questions(engine):
     d = engine.decide(decision_input(gate={"injection": 0.93, "secret": 0.0, "findings": []}))
     assert d == Decision("quarantine", ("injection_threshold: injection 0.93 >= 0.50",), engine.bundle_hash)
     assert d.to_dict() == {"action": "quarantine", "reasons": ["injection_threshold: injection 0.93 >= 0.50"], "bundle_hash": engine.bundle_hash}
-    assert engine.decide(decision_input(gate={"injection": 0.1, "secret": 0.99, "findings": []})).action == "forget"
+    redacted = engine.decide(decision_input(gate={"injection": 0.1, "secret": 0.99, "findings": []}))
+    assert (redacted.action, redacted.redact_kinds) == ("redact", ("credential", "pii", "secret"))
+    assert redacted.to_dict()["redact_kinds"] == ["credential", "pii", "secret"]
     assert engine.decide(decision_input()).reasons == ("default_allow: no rule fired",)
     t = engine.tenancy({"tenant": "acme", "user": "bob", "public_prefix": False})
     assert t == Tenancy("tenant_user", '["acme","bob"]', 0, engine.bundle_hash)
@@ -88,6 +94,8 @@ def test_derive_salt_is_keyed_scoped_and_rotates():
         ("bogus", "policy-error: malformed data.lethe.decision: unknown action 'delete-everything'"),
         ("noreasons", "policy-error: malformed data.lethe.decision: reasons must be a non-empty list of strings, got None"),
         ("string", "policy-error: data.lethe.decision is str, not an object"),
+        ("nokinds", "policy-error: malformed data.lethe.decision: redact needs redact_kinds"),
+        ("nontext", "policy-error: malformed data.lethe.decision: non_text must be 'pass' or 'withhold'"),
     ],
 )
 def test_decision_fails_closed(make_bundle, tool, reason):

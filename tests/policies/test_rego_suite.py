@@ -13,7 +13,7 @@ def test_shipped_rego_tests_all_pass_and_cover_the_four_policies():
     assert files == {"decision_test.rego", "tenancy_test.rego", "retention_test.rego", "erasure_test.rego"}
     text = report.format()
     assert text.splitlines()[-1] == f"PASS: {len(report.results)}/{len(report.results)}"
-    assert "data.lethe.decision_test.test_secret_score_leads_to_forget: PASS" in text
+    assert "data.lethe.decision_test.test_secret_score_leads_to_redact_by_default: PASS" in text
 
 
 def test_failing_and_erroring_tests_are_reported(make_bundle):

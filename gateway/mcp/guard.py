@@ -1,0 +1,383 @@
+"""The gated tool-call path: a call's arguments and its result go through gate → policy → ledger → audit.
+
+The same gate, policy and redaction as the chat endpoint (gateway/screen.py), with
+`input.channel = "mcp"`, the upstream the proxy routed to and the exported tool name. What the
+agent then receives:
+
+  allow       the upstream's result, unchanged (the same objects, so the same bytes on the wire)
+  quarantine  one text block naming the reason (`isError: true`); its digests are remembered for
+              the tenant, so the chat endpoint refuses the same bytes later
+  redact      every text part with the policy's kinds cut out (typed placeholders), re-scanned
+
+Text is read from text blocks, the text of embedded resources, and every string of structured
+content with its key beside it (`_json_parts`); they are scanned as one document, so an instruction split across blocks is
+still one instruction. Content the gate cannot read (images, audio, blobs, resource links) is
+passed or withheld as the policy's `non_text` says, and a withheld block leaves a text stub
+behind: nothing disappears silently. A call's arguments are screened the same way (phase
+"arguments"); anything but `allow` refuses the call before it reaches the upstream. So is each
+tool's definition (phase "definition"): a tool whose description carries an injection is
+neither listed nor callable.
+
+Fail closed: if the gate, the ledger or the audit log fails, the agent gets an error and no
+content. Records hold digests, kinds and offsets, never the content.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import mcp.types as types
+import structlog
+
+from audit import AuditLog
+from gate import Cut, Finding, Gate, GateReport, Redaction, redact
+from ledger import CrossingLog, Ledger
+from policies import Decision, PolicyEngine
+
+from ..screen import Screened, apply_redact, gate_input
+from ..tenants import Principal
+from .recorder import Recorder
+
+log = structlog.get_logger(__name__)
+
+JOINER = b"\n"
+NON_TEXT_STUB = "[{what} withheld by policy: the gate cannot read it]"
+
+
+class ScreeningError(Exception):
+    """A component of the gated path failed; nothing of the result was passed on."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """Who calls which tool: the principal, the chat session it links to, and the route the proxy chose."""
+
+    principal: Principal
+    session_id: str | None
+    upstream: str
+    tool: str  # the exported name, `<upstream>__<tool>`: set by the proxy's routing, never by the client
+    spent: dict[str, float] = field(default_factory=dict)  # seconds per component, for the overhead figure
+
+    @property
+    def tenant(self) -> str:
+        return self.principal.tenant or ""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the agent gets, and the decision behind it (for the caller's logs and metrics)."""
+
+    result: types.CallToolResult
+    decision: Decision
+    crossing_id: str
+    audit_index: int
+
+
+# ---- text parts ------------------------------------------------------------------------------------
+
+def _dump(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _json_parts(value: Any) -> Iterator[str]:
+    """The text of a JSON value as the gate should read it: every string with its key beside it.
+
+    A dict entry with a string value is one part, `"key": "value"`, so a rule that needs the key
+    (`"token": "..."`) fires as it would on the serialized document; other keys, and strings in
+    lists, are parts of their own. `_rebuild` parses the (redacted) parts back in the same order.
+    """
+    if isinstance(value, str):
+        yield _dump(value)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            if isinstance(v, str):
+                yield f"{_dump(str(k))}: {_dump(v)}"
+            else:
+                yield _dump(str(k))
+                yield from _json_parts(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _json_parts(v)
+
+
+def _parsed(part: str, fallback: Any) -> Any:
+    """A redacted part read back as JSON; a cut that broke its syntax (inside an escape, across a
+    quote) makes the whole part `fallback`: a redaction never falls back to the original bytes."""
+    try:
+        return json.loads(part)
+    except ValueError:
+        return fallback
+
+
+def _rebuild(value: Any, texts: Iterator[str]) -> Any:
+    """`value` rebuilt from its redacted `_json_parts`, consumed in order from `texts`."""
+    if isinstance(value, str):
+        got = _parsed(next(texts), "[REDACTED]")
+        return got if isinstance(got, str) else "[REDACTED]"
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for n, (k, v) in enumerate(value.items()):
+            if isinstance(v, str):
+                entry = _parsed("{" + next(texts) + "}", None)
+                key, val = next(iter(entry.items())) if isinstance(entry, dict) and len(entry) == 1 else \
+                    (f"[REDACTED:{n}]", "[REDACTED]")
+                out[key] = val if isinstance(val, str) else "[REDACTED]"
+            else:
+                key = _parsed(next(texts), None)
+                out[key if isinstance(key, str) else f"[REDACTED:{n}]"] = _rebuild(v, texts)
+        return out
+    if isinstance(value, list):
+        return [_rebuild(v, texts) for v in value]
+    return value
+
+
+def _block_text(block: Any) -> str | None:
+    if isinstance(block, types.TextContent):
+        return block.text
+    if isinstance(block, types.EmbeddedResource) and isinstance(block.resource, types.TextResourceContents):
+        return block.resource.text
+    return None
+
+
+def result_parts(result: types.CallToolResult) -> list[str]:
+    """The readable text of a result: each text block, each text resource, each structured string."""
+    parts = [t for t in (_block_text(b) for b in result.content) if t is not None]
+    return parts + list(_json_parts(result.structured_content)) if result.structured_content is not None else parts
+
+
+@dataclass(frozen=True)
+class Document:
+    """Parts joined into one scanned document; `spans` locate each part in it."""
+
+    data: bytes
+    spans: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def of(cls, parts: list[str]) -> "Document":
+        encoded = [p.encode("utf-8", "surrogatepass") for p in parts]
+        spans, pos = [], 0
+        for e in encoded:
+            spans.append((pos, pos + len(e)))
+            pos += len(e) + len(JOINER)
+        return cls(JOINER.join(encoded), tuple(spans))
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.data).hexdigest()
+
+    def part_digests(self) -> list[str]:
+        return [hashlib.sha256(self.data[s:e]).hexdigest() for s, e in self.spans]
+
+    def split(self, findings: tuple[Finding, ...], kinds: tuple[str, ...]) -> list[Redaction]:
+        """Each part redacted by the findings that overlap it, offsets moved into the part."""
+        out = []
+        for s, e in self.spans:
+            local = [replace(f, byte_start=max(f.byte_start, s) - s, byte_end=min(f.byte_end, e) - s)
+                     for f in findings if f.byte_start < e and f.byte_end > s]
+            out.append(redact(self.data[s:e], local, kinds))
+        return out
+
+
+def _redacted_result(result: types.CallToolResult, texts: list[str]) -> types.CallToolResult:
+    it = iter(texts)
+    content: list[Any] = []
+    for block in result.content:
+        if isinstance(block, types.TextContent):
+            content.append(block.model_copy(update={"text": next(it)}))
+        elif _block_text(block) is not None:
+            content.append(block.model_copy(update={"resource": block.resource.model_copy(update={"text": next(it)})}))
+        else:
+            content.append(block)
+    structured = _rebuild(result.structured_content, it) if result.structured_content is not None else None
+    return result.model_copy(update={"content": content, "structured_content": structured})
+
+
+def _non_text(result: types.CallToolResult, action: str) -> tuple[types.CallToolResult, list[str]]:
+    """Pass or withhold each block the gate cannot read; returns what was there, by type."""
+    kinds = [_describe(b) for b in result.content if _block_text(b) is None]
+    if not kinds or action == "pass":
+        return result, kinds
+    content = [b if _block_text(b) is not None else types.TextContent(type="text", text=NON_TEXT_STUB.format(what=_describe(b)))
+               for b in result.content]
+    return result.model_copy(update={"content": content}), kinds
+
+
+def _describe(block: Any) -> str:
+    mime = getattr(block, "mime_type", None) or getattr(getattr(block, "resource", None), "mime_type", None)
+    return f"{block.type} ({mime})" if mime else str(block.type)
+
+
+def stub_result(text: str) -> types.CallToolResult:
+    return types.CallToolResult(content=[types.TextContent(type="text", text=text)], is_error=True)
+
+
+# ---- the guard -------------------------------------------------------------------------------------
+
+class Guard:
+    """Screens one call's arguments and one call's result; thread-safe, synchronous (run it off the loop)."""
+
+    def __init__(self, gate: Gate, policy: PolicyEngine, ledger: Ledger, audit: AuditLog,
+                 max_result_bytes: int) -> None:
+        self.gate, self.policy = gate, policy
+        self.recorder = Recorder(ledger, audit)
+        self.max_result_bytes = max_result_bytes
+        self._definitions: dict[tuple[str, str, str], Decision] = {}
+
+    def _scan(self, data: bytes, call: Call) -> GateReport:
+        started = time.perf_counter()
+        try:
+            return self.gate.scan(data, tool=call.tool)
+        except Exception as exc:
+            raise ScreeningError(f"the gate failed ({type(exc).__name__}); nothing was passed on") from exc
+        finally:
+            call.spent["gate"] = call.spent.get("gate", 0.0) + time.perf_counter() - started
+
+    def _input(self, call: Call, phase: str, report: GateReport, n_bytes: int) -> dict[str, Any]:
+        # No tokenizer at this boundary: 4 bytes a token is the estimate the span limits see.
+        return {"tenant": call.tenant, "user": call.principal.user, "channel": "mcp", "upstream": call.upstream,
+                "phase": phase, "tool": call.tool,
+                "session": {"id": call.session_id or "none", "age_s": 0, "tokens": 0},
+                "span": {"bytes": n_bytes, "tokens": -(-n_bytes // 4)}, "gate": gate_input(report)}
+
+    def _decide(self, call: Call, phase: str, doc: Document) -> tuple[GateReport, Screened, list[str] | None]:
+        """Scan, decide, and for a result carry out a redact; returns the redacted parts' texts too."""
+        report = self._scan(doc.data, call)
+        decision = self.policy.decide(self._input(call, phase, report, len(doc.data)))
+        if phase != "result" or decision.action != "redact":
+            return report, Screened(decision), None
+        texts: list[str] = []
+
+        def cut(_data: bytes, found: GateReport, kinds: tuple[str, ...]) -> Redaction:
+            parts = doc.split(found.findings, kinds)  # _data is doc.data; cut part by part
+            texts[:] = [r.data.decode("utf-8", "surrogatepass") for r in parts]
+            cuts = tuple(c for r, (s, _) in zip(parts, doc.spans) for c in _moved(r, s))
+            return Redaction(Document.of(texts).data, cuts, doc.sha256)
+
+        screened = apply_redact(self.gate, self.policy, doc.data, report, decision,
+                                lambda rescan, n: self._input(call, "result", rescan, n), cut)
+        return report, screened, texts if screened.decision.action == "redact" else None
+
+    # -- tool definitions ---------------------------------------------------------------------------
+
+    def screen_tool(self, call: Call, tool: types.Tool) -> Decision:
+        """Whether the agent may see and call this tool: its definition (description, titles, schema
+        text) reaches the agent's model too, so a poisoned description is an injection like any
+        other. Screened once per tenant and distinct definition; anything but allow hides the tool."""
+        doc = Document.of(list(_json_parts(tool.model_dump(mode="json", exclude={"name"}, exclude_none=True))))
+        key = (call.tenant, call.tool, doc.sha256)
+        decision = self._definitions.get(key)
+        if decision is not None:
+            return decision
+        report, screened, _ = self._decide(call, "definition", doc)
+        decision = screened.decision
+        if decision.action != "allow":
+            body = {**self._body("mcp-result", call, doc, report, decision, None), "phase": "definition"}
+            self._record(call, "definition", doc.sha256, decision, body, [])
+        if len(self._definitions) >= 4096:
+            self._definitions.clear()
+        self._definitions[key] = decision
+        return decision
+
+    # -- arguments ---------------------------------------------------------------------------------
+
+    def check_arguments(self, call: Call, arguments: dict[str, Any]) -> tuple[Outcome | None, dict[str, Any]]:
+        """The refusal (None when the call may go ahead) and the call's `mcp-call` record. An allowed
+        call's record is written later with its result, in one commit (`screen_result` or
+        `upstream_failed`); a refused call's is written here."""
+        doc = Document.of(list(_json_parts(arguments)))
+        report, screened, _ = self._decide(call, "arguments", doc)
+        decision = screened.decision
+        body = self._body("mcp-call", call, doc, report, decision, None)
+        if decision.action == "allow":
+            return None, body
+        crossing, index = self._record(call, "arguments", doc.sha256, decision, body, [])
+        text = (f"[tool call refused by policy: {_reason(report)}] {call.tool} was not called. "
+                f"Reasons: {'; '.join(decision.reasons)} (lethe crossing {crossing})")
+        return Outcome(stub_result(text), decision, crossing, index), body
+
+    def upstream_failed(self, call: Call, call_record: dict[str, Any], error: str) -> None:
+        """An allowed call whose upstream failed: its call record, and the failure, are still written."""
+        decision = Decision("quarantine", (f"upstream_error: {error}",), self.policy.bundle_hash)
+        body = self._body("mcp-result", call, Document.of([]), None, decision, None)
+        self._record(call, "result", body["content_sha256"], decision, body, [], call_record)
+
+    # -- results -----------------------------------------------------------------------------------
+
+    def screen_result(self, call: Call, result: types.CallToolResult,
+                      call_record: dict[str, Any] | None = None) -> Outcome:
+        doc = Document.of(result_parts(result))
+        if len(doc.data) > self.max_result_bytes:
+            decision = Decision("quarantine", (f"result_size: {len(doc.data)} bytes of text > "
+                                               f"{self.max_result_bytes} (LETHE_MCP_MAX_RESULT_BYTES)",),
+                                self.policy.bundle_hash)
+            report, screened, texts = None, Screened(decision), None
+        else:
+            report, screened, texts = self._decide(call, "result", doc)
+        decision = screened.decision
+        shown, non_text = _non_text(_redacted_result(result, texts) if texts is not None else result,
+                                    decision.non_text)
+        withhold = [doc.sha256, *doc.part_digests()] if decision.action == "quarantine" else []
+        body = self._body("mcp-result", call, doc, report, decision, screened.redaction)
+        body.update(non_text={"blocks": non_text, "action": decision.non_text}, parts_sha256=doc.part_digests())
+        crossing, index = self._record(call, "result", doc.sha256, decision, body, withhold, call_record)
+        if decision.action == "quarantine":
+            reason = "result-size" if report is None else _reason(report)
+            shown = stub_result(f"[tool result withheld by policy: {reason}] Reasons: "
+                                f"{'; '.join(decision.reasons)} (lethe crossing {crossing})")
+        return Outcome(shown, decision, crossing, index)
+
+    # -- records -----------------------------------------------------------------------------------
+
+    def _body(self, kind: str, call: Call, doc: Document, report: GateReport | None, decision: Decision,
+              redaction: Redaction | None) -> dict[str, Any]:
+        body: dict[str, Any] = {"kind": kind, "tenant": call.tenant, "actor": _actor(call), "upstream": call.upstream,
+                                "tool": call.tool, "content_sha256": doc.sha256, "decision": decision.to_dict()}
+        if call.session_id:
+            body["session"] = call.session_id
+        if report is not None:
+            body["gate"] = report.summary()
+        if redaction is not None and decision.action == "redact":
+            body["redaction"] = redaction.to_dict()
+        return body
+
+    def _record(self, call: Call, phase: str, sha256: str, decision: Decision, body: dict[str, Any],
+                withhold: list[str], call_record: dict[str, Any] | None = None) -> tuple[str, int]:
+        """Ledger and audit, committed before anything is acted on: a decision whose record
+        cannot be written is not acted on (the caller gets a ScreeningError)."""
+        meta = {k: v for k, v in body.items() if k in ("gate", "decision", "redaction", "non_text", "parts_sha256")}
+        if call_record:
+            meta["call"] = {k: call_record[k] for k in ("content_sha256", "gate", "decision") if k in call_record}
+        crossing = CrossingLog.new(tenant=call.tenant, session_id=call.session_id, channel="mcp",
+                                   upstream=call.upstream, tool=call.tool, phase=phase, content_sha256=sha256,
+                                   action=decision.action, meta=meta)
+        records = [{**r, "crossing": crossing.id} for r in ([call_record] if call_record else []) + [body]]
+        try:
+            index = self.recorder.write(crossing, withhold, records)
+        except Exception as exc:
+            log.error("mcp.record_failed", tool=call.tool, error=type(exc).__name__)
+            raise ScreeningError(f"the decision could not be recorded ({type(exc).__name__}); "
+                                 "nothing was passed on; check the ledger and audit databases") from exc
+        log.info("mcp.decision", tenant=call.tenant, tool=call.tool, phase=phase, action=decision.action,
+                 crossing=crossing.id, audit_index=index)
+        return crossing.id, index
+
+
+def _moved(redaction: Redaction, offset: int) -> Iterator[Cut]:
+    for c in redaction.cuts:
+        yield replace(c, byte_start=c.byte_start + offset, byte_end=c.byte_end + offset)
+
+
+def _reason(report: GateReport) -> str:
+    if report.injection >= 0.5:
+        return "prompt-injection"
+    if report.secret >= 0.5:
+        return "secret"
+    return "policy"
+
+
+def _actor(call: Call) -> str:
+    return f"{call.tenant}:{call.principal.user or 'key'}"

@@ -1,0 +1,152 @@
+"""The proxy's two MCP handlers: tools/list re-exports the upstreams' tools, tools/call runs the gated path.
+
+Routing is the proxy's own: an exported name `<upstream>__<tool>` is split by the proxy, and only
+names of configured upstreams are served, so the tool name the policy sees is the route the
+proxy took, not a name the client asserted. Who is calling comes from the transport (the API key
+over HTTP, the tenant named at start over stdio), never from the request's arguments.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import mcp.types as types
+import structlog
+from mcp.server.lowlevel import Server
+from mcp.shared.exceptions import MCPError
+
+from ledger import Ledger
+
+from .. import __version__
+from ..tenants import Principal
+from .guard import Call, Guard, Outcome, ScreeningError
+from .settings import McpSettings
+from .upstream import Upstreams, UpstreamError
+
+log = structlog.get_logger(__name__)
+
+META_KEY = "io.lethe/decision"
+UPSTREAM_FAILED = -32001  # JSON-RPC server-error range: the upstream failed, the proxy did not
+
+
+@dataclass(frozen=True)
+class Caller:
+    principal: Principal
+    session_id: str | None
+
+
+CallerOf = Callable[[Any], Caller]  # ServerRequestContext -> Caller; raises MCPError
+
+
+class Proxy:
+    """Upstreams plus the guard, served as one MCP server."""
+
+    def __init__(self, settings: McpSettings, guard: Guard, ledger: Ledger) -> None:
+        self.settings = settings
+        self.guard = guard
+        self.ledger = ledger
+        self._upstreams: Upstreams | None = None
+        self._limiter: anyio.CapacityLimiter | None = None
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator["Proxy"]:
+        """Hold the upstream connections open for the lifetime of the block."""
+        # Few guard threads: each thread compiles its own copy of the policy bundle (~20 ms), and on
+        # a CPU host more threads than cores only queue for them.
+        self._limiter = anyio.CapacityLimiter(4)
+        async with anyio.create_task_group() as tg:
+            self._upstreams = Upstreams(self.settings, tg)
+            await self._upstreams.start()
+            try:
+                yield self
+            finally:
+                await self._upstreams.aclose()
+                self._upstreams = None
+                tg.cancel_scope.cancel()
+
+    @property
+    def upstreams(self) -> Upstreams:
+        if self._upstreams is None:
+            raise MCPError(types.INTERNAL_ERROR, "the proxy is not running; use `async with proxy.running()`")
+        return self._upstreams
+
+    def server(self, caller_of: CallerOf) -> Server[Any]:
+        async def list_tools(ctx: Any, params: types.PaginatedRequestParams | None) -> types.ListToolsResult:
+            caller = caller_of(ctx)
+            shown = []
+            for name, tool in await self.upstreams.tools():
+                if await self._definition_allowed(caller, name, tool):
+                    shown.append(tool.model_copy(update={"name": name}))
+            return types.ListToolsResult(tools=shown)
+
+        async def call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
+            return await self.call(caller_of(ctx), params.name, dict(params.arguments or {}))
+
+        return Server("lethe-mcp", version=__version__, on_list_tools=list_tools, on_call_tool=call_tool,
+                      instructions="Lethe screens every tool result and every call's arguments; "
+                                   "a withheld result names the reason.")
+
+    async def _definition_allowed(self, caller: Caller, name: str, tool: types.Tool) -> bool:
+        call = Call(caller.principal, None, name.split("__", 1)[0], name)
+        try:
+            decision = await self._off_loop(self.guard.screen_tool, call, tool)
+        except ScreeningError as exc:
+            raise MCPError(types.INTERNAL_ERROR, f"lethe could not screen tool {name!r}: {exc}") from exc
+        return bool(decision.action == "allow")
+
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+
+    def linked_session(self, principal: Principal, session_id: str | None) -> str | None:
+        """The chat session to link results to; another tenant's (or an unknown) id is refused."""
+        if session_id is None:
+            return None
+        if self.ledger.get_session(session_id, principal.tenant) is None:
+            raise MCPError(types.INVALID_PARAMS, f"session {session_id!r} is not one of this tenant's chat "
+                                                 "sessions; send the x-lethe-session the chat endpoint returned")
+        return session_id
+
+    async def call(self, caller: Caller, name: str, arguments: dict[str, Any]) -> types.CallToolResult:
+        started = time.perf_counter()
+        route = self.upstreams.route(name)
+        if route is None:
+            raise MCPError(types.INVALID_PARAMS, f"unknown tool {name!r}: this proxy serves only the "
+                                                 "`<upstream>__<tool>` names that tools/list returns")
+        try:
+            definition = await self.upstreams.definition(*route)
+        except UpstreamError as exc:
+            raise MCPError(UPSTREAM_FAILED, str(exc)) from exc
+        if not await self._definition_allowed(caller, name, definition):
+            raise MCPError(types.INVALID_PARAMS, f"tool {name!r} is withheld by policy: its definition did not "
+                                                 "pass the gate (see the audit log's definition record)")
+        session = await self._off_loop(self.linked_session, caller.principal, caller.session_id)
+        call = Call(caller.principal, session, route[0], name)
+        try:
+            refusal, record = await self._off_loop(self.guard.check_arguments, call, arguments)
+            if refusal is not None:
+                return _stamped(refusal, call, started)
+            upstream_started = time.perf_counter()
+            try:
+                result = await self.upstreams.call(route[0], route[1], arguments)
+            except UpstreamError as exc:
+                await self._off_loop(self.guard.upstream_failed, call, record, str(exc))
+                raise MCPError(UPSTREAM_FAILED, str(exc)) from exc
+            call.spent["upstream"] = time.perf_counter() - upstream_started
+            outcome = await self._off_loop(self.guard.screen_result, call, result, record)
+        except ScreeningError as exc:
+            raise MCPError(types.INTERNAL_ERROR, f"lethe could not screen this call: {exc}") from exc
+        return _stamped(outcome, call, started)
+
+
+def _stamped(outcome: Outcome, call: Call, started: float) -> types.CallToolResult:
+    """The result with the decision in `_meta` (the crossing id an auditor looks up, and the proxy's
+    own time: the handler's wall time less the upstream's and the gate's)."""
+    own = time.perf_counter() - started - call.spent.get("upstream", 0.0) - call.spent.get("gate", 0.0)
+    meta = {**(outcome.result.meta or {}), META_KEY: {
+        "action": outcome.decision.action, "crossing": outcome.crossing_id, "audit_index": outcome.audit_index,
+        "overhead_ms": round(own * 1e3, 3), "gate_ms": round(call.spent.get("gate", 0.0) * 1e3, 3)}}
+    return outcome.result.model_copy(update={"meta": meta})

@@ -1,0 +1,45 @@
+"""`lethe mcp`: build the proxy from the settings and serve it (no model, no kernel: the proxy needs none)."""
+from __future__ import annotations
+
+import anyio
+
+from audit import AuditLog, Signer
+from gate import Gate
+from ledger import Ledger
+from policies import PolicyEngine
+
+from ..config import Settings
+from ..tenants import Principal, TenantStore
+from .guard import Guard
+from .proxy import Proxy
+from .settings import McpSettings
+from .transport import http_app, serve_stdio
+
+
+def build(settings: Settings, upstream_flags: list[str] | None = None) -> tuple[Proxy, TenantStore]:
+    """The proxy over this deployment's gate, policy, ledger and audit log (the chat endpoint's own stores)."""
+    s = settings
+    s.data_dir.mkdir(parents=True, exist_ok=True)
+    ledger = Ledger(s.db_url, check_invariants=s.debug)
+    signer = Signer.from_pem(s.audit_key_pem) if s.audit_key_pem else \
+        Signer.load_or_create(s.resolved("audit_key_path", "audit-key.pem"))
+    audit = AuditLog(s.audit_db_url, signer, origin=s.audit_origin, batch_size=s.audit_batch_size)
+    policy = PolicyEngine(s.policy_dir, backend=s.policy_backend, opa_url=s.opa_url, timeout_s=s.opa_timeout_s,
+                          retries=s.opa_retries)
+    mcp = McpSettings.from_settings(s, upstream_flags)
+    guard = Guard(Gate(gitleaks_config=s.gitleaks_config), policy, ledger, audit, mcp.max_result_bytes)
+    return Proxy(mcp, guard, ledger), TenantStore.from_url(s.db_url, s.admin_key)
+
+
+def run_stdio(settings: Settings, flags: list[str], tenant: str, user: str | None, session: str | None) -> None:
+    proxy, tenants = build(settings, flags)
+    if tenant not in tenants.tenants():
+        raise SystemExit(f"unknown tenant {tenant!r}; create it with `lethe tenant create {tenant}`")
+    anyio.run(serve_stdio, proxy, Principal(tenant=tenant, user=user), session)
+
+
+def run_http(settings: Settings, flags: list[str], host: str, port: int) -> None:
+    import uvicorn
+
+    proxy, tenants = build(settings, flags)
+    uvicorn.run(http_app(proxy, tenants, host), host=host, port=port, log_config=None, access_log=False)

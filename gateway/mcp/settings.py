@@ -1,0 +1,81 @@
+"""Which upstream MCP servers the proxy fronts, and its limits: from gateway/config.py and `--upstream`.
+
+An upstream's name becomes the namespace of its tools (`<name>__<tool>`), so names are short,
+lowercase and free of `_`: the first `__` of an exported tool name then always splits it back
+into (upstream, tool) unambiguously, whatever the upstream calls its tools.
+"""
+from __future__ import annotations
+
+import shlex
+from typing import Any
+
+from pydantic import BaseModel, Field, model_validator
+
+from ..config import Settings
+
+SEPARATOR = "__"
+
+
+class UpstreamSpec(BaseModel):
+    """One upstream: a stdio command (argv) or a streamable-HTTP URL."""
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9-]{0,31}$")
+    command: list[str] | None = None
+    url: str | None = None
+    env: dict[str, str] = Field(default_factory=dict)
+    headers: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> "UpstreamSpec":
+        if (self.command is None) == (self.url is None):
+            raise ValueError(f"upstream {self.name!r}: give exactly one of `command` (stdio) or `url` (streamable HTTP)")
+        if self.command is not None and not self.command:
+            raise ValueError(f"upstream {self.name!r}: `command` is an empty argv")
+        return self
+
+    @property
+    def transport(self) -> str:
+        return "stdio" if self.command is not None else "http"
+
+
+def parse_flag(flag: str) -> UpstreamSpec:
+    """`NAME=COMMAND ARGS...` (stdio, split like a shell) or `NAME=http(s)://...` (streamable HTTP)."""
+    name, sep, target = flag.partition("=")
+    if not sep or not target.strip():
+        raise ValueError(f"--upstream {flag!r}: write NAME=COMMAND ARGS... or NAME=https://host/mcp")
+    if target.startswith(("http://", "https://")):
+        return UpstreamSpec(name=name, url=target)
+    return UpstreamSpec(name=name, command=shlex.split(target))
+
+
+class McpSettings(BaseModel):
+    upstreams: list[UpstreamSpec]
+    call_timeout_s: float = 30.0
+    connect_timeout_s: float = 20.0
+    max_result_bytes: int = 1_000_000
+
+    @model_validator(mode="after")
+    def _unique(self) -> "McpSettings":
+        names = [u.name for u in self.upstreams]
+        if not names:
+            raise ValueError("no upstream MCP server: add `--upstream NAME=COMMAND` or [[mcp_upstreams]] to lethe.toml")
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"upstream names must be unique; {dupes} appear more than once")
+        return self
+
+    @classmethod
+    def from_settings(cls, settings: Settings, flags: list[str] | None = None) -> "McpSettings":
+        specs: list[Any] = [UpstreamSpec.model_validate(u) for u in settings.mcp_upstreams]
+        specs += [parse_flag(f) for f in flags or ()]
+        return cls(upstreams=specs, call_timeout_s=settings.mcp_call_timeout_s,
+                   connect_timeout_s=settings.mcp_connect_timeout_s, max_result_bytes=settings.mcp_max_result_bytes)
+
+
+def exported_name(upstream: str, tool: str) -> str:
+    return f"{upstream}{SEPARATOR}{tool}"
+
+
+def split_name(exported: str) -> tuple[str, str] | None:
+    upstream, sep, tool = exported.partition(SEPARATOR)
+    return (upstream, tool) if sep and upstream and tool else None

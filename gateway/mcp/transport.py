@@ -1,0 +1,105 @@
+"""Serving the proxy: stdio (one tenant, named at start) and streamable HTTP (a Lethe API key per request).
+
+Over HTTP the caller is whoever the `Authorization: Bearer lth_...` key belongs to (the chat
+endpoint's keys, stored hashed in gateway/tenants.py), checked on every request before the MCP
+layer sees it; `X-Lethe-Session` links results to one of that tenant's chat sessions. Over stdio
+the process speaks for the one tenant it was started as (`lethe mcp --tenant T`): the agent that
+spawned it already holds the machine, so there is no key to present.
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import mcp.types as types
+from mcp.server.stdio import stdio_server
+from mcp.shared.exceptions import MCPError
+from starlette.applications import Starlette
+from starlette.datastructures import Headers
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ..tenants import Principal, TenantStore
+from .proxy import Caller, Proxy
+
+PRINCIPAL, SESSION = "lethe.principal", "lethe.session"
+
+
+async def serve_stdio(proxy: Proxy, principal: Principal, session_id: str | None) -> None:
+    """Serve one agent on stdin/stdout until it closes them."""
+    caller = Caller(principal, session_id)
+    server = proxy.server(lambda _ctx: caller)
+    async with proxy.running(), stdio_server() as (read, write):
+        await server.run(read, write, server.create_initialization_options())
+
+
+def _http_caller(ctx: Any) -> Caller:
+    request = getattr(ctx, "request", None)
+    scope = getattr(request, "scope", None) or {}
+    principal = scope.get(PRINCIPAL)
+    if not isinstance(principal, Principal):  # the middleware always sets it; fail closed if not
+        raise MCPError(types.INVALID_REQUEST, "no authenticated Lethe principal on this request")
+    return Caller(principal, scope.get(SESSION))
+
+
+def _error(status: int, code: str, message: str) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": code,
+                                   "param": None}}, status_code=status, headers=headers)
+
+
+class TenantAuth:
+    """ASGI middleware: a tenant's API key on every HTTP request, or 401/403 before MCP sees it."""
+
+    def __init__(self, app: ASGIApp, tenants: TenantStore) -> None:
+        self.app = app
+        self.tenants = tenants
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        scheme, _, key = headers.get("authorization", "").partition(" ")
+        principal = None
+        if scheme.lower() == "bearer" and key.strip():
+            principal = await anyio.to_thread.run_sync(self.tenants.authenticate, key.strip())
+        if principal is None:
+            response = _error(401, "invalid_api_key", "send a Lethe API key as `Authorization: Bearer lth_...` "
+                                                      "(create one with `lethe key create --tenant T`)")
+        elif principal.tenant is None:
+            response = _error(403, "tenant_required", "the MCP proxy needs a tenant key; the global admin key "
+                                                      "has no tenant")
+        else:
+            scope[PRINCIPAL] = principal
+            scope[SESSION] = headers.get("x-lethe-session") or None
+            await self.app(scope, receive, send)
+            return
+        await response(scope, receive, send)
+
+
+def http_app(proxy: Proxy, tenants: TenantStore, host: str = "127.0.0.1") -> ASGIApp:
+    """The MCP endpoint at `/mcp`, and `GET /v1/mcp/crossings`: the caller's tenant's decisions."""
+
+    async def crossings(request: Request) -> JSONResponse:
+        principal: Principal = request.scope[PRINCIPAL]
+        session = request.query_params.get("session")
+        rows = await anyio.to_thread.run_sync(lambda: proxy.ledger.crossings.list(principal.tenant or "", session))
+        return JSONResponse({"crossings": [r.to_dict() for r in rows]})
+
+    server = proxy.server(_http_caller)
+    inner: Starlette = server.streamable_http_app(
+        host=host, custom_starlette_routes=[Route("/v1/mcp/crossings", crossings, methods=["GET"])])
+    serve_sessions = inner.router.lifespan_context
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with proxy.running(), serve_sessions(app):
+            yield
+
+    inner.router.lifespan_context = lifespan
+    return TenantAuth(inner, tenants)

@@ -1,0 +1,72 @@
+"""What the chat pipeline and the MCP proxy both do once the policy has answered.
+
+`redact`: the policy names the finding kinds to cut; `gate.redact` cuts them, the redacted bytes
+are scanned again and put to the policy again, and only a clean second answer (allow) admits
+them. Anything else (a secret the gate could not locate, an injection that survives, a policy
+error) turns the redaction into a quarantine: redaction never admits unscanned bytes.
+
+`withheld`: bytes a boundary (the MCP proxy) quarantined for a tenant are refused when they come
+back through another door (a chat tool message), whatever the policy would say about them now.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gate import Gate, GateReport, Redaction, redact
+from ledger import CrossingLog
+from policies import Decision, PolicyEngine
+
+
+@dataclass(frozen=True)
+class Screened:
+    """The final decision; with a redaction, the bytes to admit and the re-scan that cleared them."""
+
+    decision: Decision
+    redaction: Redaction | None = None
+    rescan: GateReport | None = None
+
+
+def gate_input(report: GateReport, injection: float | None = None) -> dict[str, Any]:
+    """The `gate` object of a decision input: scores and finding kinds, no offsets or excerpts."""
+    return {"injection": report.injection if injection is None else injection, "secret": report.secret,
+            "findings": [{"kind": f.kind, "rule_id": f.rule_id, "layer": f.layer, "score": f.score}
+                         for f in report.findings]}
+
+
+Cutter = Callable[[bytes, GateReport, tuple[str, ...]], Redaction]
+
+
+def _cut(data: bytes, report: GateReport, kinds: tuple[str, ...]) -> Redaction:
+    return redact(data, report.findings, kinds)
+
+
+def apply_redact(gate: Gate, policy: PolicyEngine, data: bytes, report: GateReport, decision: Decision,
+                 ask: Callable[[GateReport, int], dict[str, Any]], cut: Cutter = _cut) -> Screened:
+    """Carry out a `redact` decision on `data` (whose scan is `report`); other decisions pass through.
+
+    `ask(rescan, n_bytes)` builds the policy input for the redacted bytes; `cut` redacts (the MCP
+    proxy cuts a document of several parts part by part).
+    """
+    if decision.action != "redact":
+        return Screened(decision)
+    redaction = cut(data, report, decision.redact_kinds)
+    rescan = gate.scan(redaction.data)
+    second = policy.decide(ask(rescan, len(redaction.data)))
+    if redaction.cuts and second.action == "allow":
+        reasons = (*decision.reasons, f"redact_rescan: {len(redaction.cuts)} range(s) cut, re-scan allowed")
+        return Screened(Decision("redact", reasons, decision.bundle_hash, decision.redact_kinds, decision.non_text),
+                        redaction, rescan)
+    why = "nothing to cut at the findings' offsets" if not redaction.cuts else f"re-scan gave {second.action}"
+    reasons = (*decision.reasons, f"redact_rescan: {why}, so quarantine", *second.reasons)
+    return Screened(Decision("quarantine", reasons, decision.bundle_hash, (), decision.non_text), redaction, rescan)
+
+
+def refuse_withheld(crossings: CrossingLog, tenant: str, sha256: str, decision: Decision) -> Decision:
+    """Quarantine bytes a boundary already withheld from this tenant, whatever `decision` says."""
+    crossing = crossings.is_withheld(tenant, sha256)
+    if crossing is None:
+        return decision
+    reason = f"withheld_at_boundary: crossing {crossing} quarantined these bytes at the MCP proxy"
+    return Decision("quarantine", (reason, *decision.reasons), decision.bundle_hash, (), decision.non_text)
