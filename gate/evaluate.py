@@ -85,8 +85,12 @@ def scan_rows(rows: list[dict], gate: Gate) -> tuple[dict[str, np.ndarray], int]
     return scores, total_bytes
 
 
-def report(path: Path, rows: list[dict], scores: dict[str, np.ndarray], total_bytes: int, seconds: float) -> dict:
-    """Per-label metrics of ``scores`` against the rows' labels, with the throughput they took."""
+def report(path: Path, rows: list[dict], scores: dict[str, np.ndarray], total_bytes: int, seconds: float,
+           thresholds: dict[str, float] | None = None) -> dict:
+    """Per-label metrics of ``scores`` against the rows' labels, with the throughput they took.
+
+    ``thresholds`` (label -> the policy's threshold) adds ``at_policy_threshold``: recall, FPR and
+    precision where the operator's policy actually decides, next to the 0.5 figures."""
     labels = np.array([row["label"] for row in rows])
     out: dict = {"path": str(path), "documents": len(rows), "megabytes": round(total_bytes / 1e6, 3),
                  "throughput_mb_s": round(total_bytes / 1e6 / seconds, 3) if seconds else None,
@@ -95,6 +99,10 @@ def report(path: Path, rows: list[dict], scores: dict[str, np.ndarray], total_by
         y = (labels == label).astype(float)
         m = _metrics(scores[label], y)
         m["false_positives_per_10mb"] = m["false_positives"] / max(total_bytes, 1) * 1e7
+        if thresholds and label in thresholds:
+            at = _metrics(scores[label], y, thresholds[label])
+            m["at_policy_threshold"] = {"threshold": thresholds[label], "recall": at["recall"], "fpr": at["fpr"],
+                                        "precision": at["precision"], "false_positives": at["false_positives"]}
         by_source: dict[str, list[float]] = defaultdict(list)
         for row, s in zip(rows, scores[label]):
             if row["label"] == label and "source" in row:
