@@ -83,6 +83,21 @@ def cross_fit(rows: list[dict], features: np.ndarray, y: np.ndarray) -> np.ndarr
     return out
 
 
+def transferred_threshold(rows: list[dict], score: np.ndarray, y: np.ndarray, fpr: float) -> dict:
+    """A threshold chosen on one fold's kinds (the ``fpr`` quantile of its negatives), applied to
+    the other fold's kinds: what an operator gets on kinds the threshold never saw."""
+    hits = {"recall": [], "fpr": [], "thresholds": []}
+    for fold in KIND_FOLDS:
+        test = np.array([r["kind"] in fold for r in rows])
+        neg = np.sort(score[~test & (y == 0)])[::-1]
+        t = float(neg[int(fpr * len(neg))])
+        hits["thresholds"].append(round(t, 4))
+        hits["recall"] += list(score[test & (y == 1)] > t)
+        hits["fpr"] += list(score[test & (y == 0)] > t)
+    return {"target_fpr": fpr, "thresholds": hits["thresholds"], "recall": round(float(np.mean(hits["recall"])), 3),
+            "fpr": round(float(np.mean(hits["fpr"])), 3)}
+
+
 def by_kind(rows: list[dict], score: np.ndarray, y: np.ndarray, threshold: float) -> dict:
     neg = np.sort(score[y == 0])[::-1]
     t1 = neg[int(0.01 * len(neg))] if len(neg) else np.inf
@@ -110,7 +125,9 @@ def summary(rows: list[dict], score: np.ndarray, y: np.ndarray, threshold: float
             by_attack.setdefault(r["attack"], []).append(int(s > t1))
     return {"recall_at_1pct_fpr": round(recall_at_fpr(score, y), 3), "roc_auc": round(roc_auc(score, y), 4),
             "ece": round(ece(score, y), 3), "at_policy_threshold": {"threshold": threshold, **at(threshold)},
-            "at_0.5": at(0.5), "by_kind": by_kind(rows, score, y, threshold),
+            "at_0.5": at(0.5), "threshold_for_1pct_fpr_on_all_kinds": round(float(t1), 4),
+            "threshold_transferred_across_kinds": transferred_threshold(rows, score, y, 0.01),
+            "by_kind": by_kind(rows, score, y, threshold),
             "by_attack_recall_at_1pct_fpr": {k: round(float(np.mean(v)), 3) for k, v in sorted(by_attack.items())}}
 
 
