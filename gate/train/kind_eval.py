@@ -94,7 +94,8 @@ def transferred_threshold(rows: list[dict], score: np.ndarray, y: np.ndarray, fp
         hits["thresholds"].append(round(t, 4))
         hits["recall"] += list(score[test & (y == 1)] > t)
         hits["fpr"] += list(score[test & (y == 0)] > t)
-    return {"target_fpr": fpr, "thresholds": hits["thresholds"], "recall": round(float(np.mean(hits["recall"])), 3),
+    return {"target_fpr": fpr, "thresholds": hits["thresholds"],
+            "recall": round(float(np.mean(hits["recall"])), 3) if hits["recall"] else None,
             "fpr": round(float(np.mean(hits["fpr"])), 3)}
 
 
