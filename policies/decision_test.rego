@@ -39,15 +39,15 @@ test_clean_result_is_allowed if {
 }
 
 test_injection_over_default_threshold_quarantines if {
-	d := decide(req("nobody", "web.fetch", {"injection": 0.93, "secret": 0, "findings": []}))
+	d := decide(req("nobody", "web.fetch", {"injection": 0.98, "secret": 0, "findings": []}))
 	d.action == "quarantine"
-	d.reasons == ["injection_threshold: injection 0.93 >= 0.50"]
+	d.reasons == ["injection_threshold: injection 0.98 >= 0.97"]
 }
 
-test_tenant_threshold_override_allows_what_default_quarantines if {
-	gate := {"injection": 0.6, "secret": 0, "findings": []}
-	decide(req("nobody", "web.fetch", gate)).action == "quarantine"
-	decide(req("acme", "web.fetch", gate)).action == "allow"
+test_tenant_threshold_override_quarantines_what_default_allows if {
+	gate := {"injection": 0.9, "secret": 0, "findings": []}
+	decide(req("nobody", "web.fetch", gate)).action == "allow"
+	decide(req("acme", "web.fetch", gate)).action == "quarantine"
 }
 
 test_stricter_tenant_quarantines_low_scores if {
@@ -58,12 +58,12 @@ test_stricter_tenant_quarantines_low_scores if {
 test_trusted_tool_uses_trusted_threshold if {
 	d := decide(req("acme", "search.internal", {"injection": 0.85, "secret": 0, "findings": []}))
 	d.action == "allow"
-	e := decide(req("acme", "search.internal", {"injection": 0.95, "secret": 0, "findings": []}))
-	e.reasons == ["injection_threshold: injection 0.95 >= 0.90 (trusted tool search.internal)"]
+	e := decide(req("acme", "search.internal", {"injection": 0.999, "secret": 0, "findings": []}))
+	e.reasons == ["injection_threshold: injection 1.00 >= 0.99 (trusted tool search.internal)"]
 }
 
 test_trust_is_per_tenant if {
-	decide(req("nobody", "search.internal", {"injection": 0.85, "secret": 0, "findings": []})).action == "quarantine"
+	decide(req("nobody", "search.internal", {"injection": 0.98, "secret": 0, "findings": []})).action == "quarantine"
 }
 
 test_tenant_blocked_tool_quarantines if {
@@ -102,7 +102,7 @@ test_admit_sensitive_only_with_both_switches if {
 }
 
 test_admitted_secret_still_quarantined_when_injected if {
-	decide(req("review", "read_file", {"injection": 0.95, "secret": 0.9, "findings": []})).action == "quarantine"
+	decide(req("review", "read_file", {"injection": 0.98, "secret": 0.9, "findings": []})).action == "quarantine"
 }
 
 test_sensitive_action_without_opt_in_flag_still_forgets if {
@@ -138,6 +138,6 @@ test_score_out_of_range_quarantines if {
 }
 
 test_shipped_defaults_without_fixtures if {
-	d := data.lethe.decision with input as req("nobody", "web.fetch", {"injection": 0.5, "secret": 0, "findings": []})
+	d := data.lethe.decision with input as req("nobody", "web.fetch", {"injection": 0.97, "secret": 0, "findings": []})
 	d.action == "quarantine"
 }
