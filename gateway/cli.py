@@ -211,8 +211,17 @@ def gate_eval(data: Annotated[Path, typer.Option(help="JSONL of {text, label}")]
     if probe:
         from gate.train.eval_full import stack_scores
 
-        _, scores["injection"], cached = stack_scores(rows, scores["injection"], name=data.stem, model_dir=model_dir)
-    result = report(data, rows, scores, nbytes, time.perf_counter() - started, thresholds=_policy_thresholds(s))
+        _, scores["injection"], cached = stack_scores(rows, scores["injection"], name=data.stem, model_dir=model_dir,
+                                                      threads=1)  # 2 threads thrash on a shared 2-core machine
+    thresholds = _policy_thresholds(s)
+    result = report(data, rows, scores, nbytes, time.perf_counter() - started, thresholds=thresholds)
+    if all("kind" in r for r in rows):  # a held-out-by-kind set (python -m gate.train.kinds): per-kind figures
+        import numpy as np
+
+        from gate.train.kind_eval import summary
+
+        y = np.array([r["label"] == "injection" for r in rows], dtype=float)
+        result["injection"]["held_out_by_kind"] = summary(rows, scores["injection"], y, thresholds["injection"])
     result["injection_scorer"] = "stack(probe, byte gate)" if probe else "byte gate"
     if cached:
         result["note"] = "the probe read cached model states (var/probe_features/): throughput excludes the model pass"
