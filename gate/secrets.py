@@ -141,6 +141,7 @@ class SecretRule:
     counterexamples: tuple[str, ...] = ()
     source: str = "lethe"
     global_allowlist: bool = True  # False where real keys contain what the global list rejects (AAAAAAA runs)
+    window: int = 0  # longest possible match: confirm only around Hyperscan's match ends (0 = whole input)
 
 
 def _compile_allow(regex: str) -> re.Pattern[str]:
@@ -166,7 +167,7 @@ def load_rules(path: Path = RULES_PATH) -> tuple[list[SecretRule], Allowlist]:
             checksum=r.get("checksum"), score=r.get("score", 0.9),
             allowlist=_allowlist(r.get("allowlist", {})),
             examples=tuple(r.get("examples", [])), counterexamples=tuple(r.get("counterexamples", [])),
-            global_allowlist=r.get("global_allowlist", True),
+            global_allowlist=r.get("global_allowlist", True), window=r.get("window", 0),
         )
         for r in doc["rules"]
     ]
@@ -253,7 +254,7 @@ class SecretScanner:
     def __init__(self, rules: Iterable[SecretRule], allowlist: Allowlist) -> None:
         self.rules = list(rules)
         self.allowlist = allowlist
-        patterns = [Pattern(i, r.regex, caseless=r.caseless) for i, r in enumerate(self.rules)]
+        patterns = [Pattern(i, r.regex, caseless=r.caseless, window=r.window) for i, r in enumerate(self.rules)]
         self.matcher = MultiMatcher(patterns)
 
     def scan(self, data: bytes) -> list[Finding]:

@@ -70,3 +70,21 @@ def test_cat_of_an_ed25519_key_is_a_secret_despite_its_aaaa_runs(gate: Gate) -> 
 ])
 def test_code_that_names_a_credential_is_not_one(gate: Gate, code: str) -> None:
     assert gate.scan(code.encode()).secret == 0.0
+
+
+def test_windowed_confirmation_finds_exactly_what_whole_input_confirmation_finds() -> None:
+    """Rules with a ``window`` are confirmed only before Hyperscan's match ends; on real package
+    text and every generated carrier that must change nothing but the cost."""
+    from dataclasses import replace
+
+    from gate.evaluate import package_text
+    from gate.secrets import SecretScanner, load_rules
+
+    rules, allow = load_rules()
+    assert any(r.window for r in rules)
+    windowed, whole = SecretScanner(rules, allow), SecretScanner([replace(r, window=0) for r in rules], allow)
+    docs = [d for _, d in package_text(2.0)] + [r["text"].encode() for r in secretgen.corpus(per_format=2)]
+    docs.append(b"x" * 5000 + b"\npassword = Kp9vX2mQz7Lw\n" + b"token: " + b"A1b2" * 40 + b"\n")
+    key = lambda fs: sorted((f.rule_id, f.byte_start, f.byte_end) for f in fs)
+    for d in docs:
+        assert key(windowed.scan(d)) == key(whole.scan(d))
