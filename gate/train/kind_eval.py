@@ -123,7 +123,7 @@ def summary(rows: list[dict], score: np.ndarray, y: np.ndarray, threshold: float
     t1 = neg[int(0.01 * len(neg))]
     for r, s, yi in zip(rows, score, y):
         if yi:
-            by_attack.setdefault(r["attack"], []).append(int(s > t1))
+            by_attack.setdefault(r.get("attack", "unlabelled"), []).append(int(s > t1))
     return {"recall_at_1pct_fpr": round(recall_at_fpr(score, y), 3), "roc_auc": round(roc_auc(score, y), 4),
             "ece": round(ece(score, y), 3), "at_policy_threshold": {"threshold": threshold, **at(threshold)},
             "at_0.5": at(0.5), "threshold_for_1pct_fpr_on_all_kinds": round(float(t1), 4),
