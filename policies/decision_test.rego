@@ -44,6 +44,13 @@ test_injection_over_default_threshold_quarantines if {
 	d.reasons == ["injection_threshold: injection 0.98 >= 0.97"]
 }
 
+test_byte_gate_scores_use_the_byte_gate_threshold if {
+	gate := {"injection": 0.6, "secret": 0, "findings": [], "scorer": "byte_gate"}
+	d := decide(req("nobody", "web.fetch", gate))
+	d.reasons == ["injection_threshold: injection 0.60 >= 0.50"]
+	decide(req("nobody", "web.fetch", object.union(gate, {"scorer": "stack"}))).action == "allow"
+}
+
 test_tenant_threshold_override_quarantines_what_default_allows if {
 	gate := {"injection": 0.9, "secret": 0, "findings": []}
 	decide(req("nobody", "web.fetch", gate)).action == "allow"
