@@ -7,7 +7,10 @@ logs, READMEs, tables), concatenated to ``megabytes`` MB. Measured on one thread
   * learned layer MB/s and tokens/s (tokens = ``\\w+|[^\\w\\s]`` pieces, about 1 per 4 bytes);
   * the hidden-state probe's read-out tokens/s (its states come with the prefill);
   * full ``Gate.scan`` p50/p99 latency on 4 KB and 64 KB results;
-  * secret findings on the benign corpus (false positives per 10 MB).
+  * secret findings on the benign corpus (false positives per 10 MB);
+  * secret recall per format on generated credentials in carriers and false positives per 10 MB
+    of real installed-package text (``gate.evaluate.evaluate_secrets``);
+  * the byte gate on the held-out-by-kind injection set (``gate.train.kind_eval``).
 """
 
 from __future__ import annotations
@@ -85,7 +88,15 @@ def run_gate_bench(*, megabytes: int = 10, progress: bool = True) -> dict:
         latency[label] = {"p50_ms": round(float(np.percentile(times, 50)), 3),
                           "p99_ms": round(float(np.percentile(times, 99)), 3), "n": len(times)}
         say(f"latency {label}: {latency[label]}")
+    say("secrets: generated credentials of every format, and real package text")
+    from .evaluate import evaluate_secrets
+
+    secrets = evaluate_secrets(gate, megabytes=megabytes)
+    say(f"secrets: recall {secrets['recall']} on {secrets['credentials']}, {secrets['false_positives_per_10mb']} FP/10 MB")
     return {
+        "secrets": {k: v for k, v in secrets.items() if k != "recall_by_format"} | {
+            "formats_below_1": {k: v for k, v in secrets["recall_by_format"].items() if v < 1}},
+        "injection_by_kind": _by_kind(gate, say),
         "corpus_mb": round(mb, 2),
         "rules_layer_mb_s": round(mb / rules_s, 1),
         "secrets_only_mb_s": round(mb / secrets_s, 1),
@@ -99,6 +110,23 @@ def run_gate_bench(*, megabytes: int = 10, progress: bool = True) -> dict:
         "latency": latency,
         "threads": 1,
     }
+
+
+def _by_kind(gate: Gate, say) -> dict:
+    """The byte gate on the held-out-by-kind set (gate.train.kinds); the stack needs the model:
+    ``python -m gate.train.kind_eval --probe``."""
+    from .train.kind_eval import evaluate, policy_thresholds
+    from .train.kinds import build
+    from .evaluate import scan_rows
+
+    try:
+        rows = build()
+    except OSError as exc:  # the held-out attacks come from BIPIA's train files
+        return {"skipped": f"BIPIA train files not found ({exc}); pass them to gate.train.kinds --bipia"}
+    byte = scan_rows(rows, gate)[0]["injection"]
+    result = evaluate(rows, byte, None, None, policy_thresholds()["injection"])
+    say(f"injection by kind (byte gate): recall@1%FPR {result['byte_gate']['recall_at_1pct_fpr']}")
+    return result
 
 
 def _probe_readout_tokens_s(tokens: int = 4096) -> float:

@@ -30,6 +30,7 @@ class Pattern:
     regex: str
     caseless: bool = False
     utf8: bool = False
+    window: int = 0  # > 0: no match is longer; confirm only the bytes before each Hyperscan match end
 
 
 def compile_python(pattern: Pattern) -> re.Pattern:
@@ -54,7 +55,7 @@ class MultiMatcher:
 
     @staticmethod
     def _flags(p: Pattern, prefilter: bool = False) -> int:
-        flags = hyperscan.HS_FLAG_SINGLEMATCH | hyperscan.HS_FLAG_DOTALL
+        flags = hyperscan.HS_FLAG_DOTALL | (0 if p.window else hyperscan.HS_FLAG_SINGLEMATCH)
         if p.caseless:
             flags |= hyperscan.HS_FLAG_CASELESS
         if p.utf8:
@@ -108,19 +109,46 @@ class MultiMatcher:
         """Ids of the patterns that may match ``data`` (one Hyperscan pass over all of them).
 
         ``text`` is ``data`` decoded; the ``re`` fallback needs it for UTF-8 patterns."""
+        return sorted(self._ends(data, text))
+
+    def _ends(self, data: bytes, text: str | None) -> dict[int, list[int]]:
+        """Pattern id -> Hyperscan match end offsets (every end for windowed patterns, else one)."""
         if self._db is None:
-            return [i for i, rx in self._python.items()
-                    if rx.search(text if self.patterns[i].utf8 and text is not None else data)]
-        hits: list[int] = []
-        self._db.scan(data, match_event_handler=lambda ident, *_: hits.append(ident), scratch=self._scratch())
-        return sorted(set(hits))
+            return {i: [] for i, rx in self._python.items()
+                    if rx.search(text if self.patterns[i].utf8 and text is not None else data)}
+        hits: dict[int, list[int]] = {}
+        self._db.scan(data, match_event_handler=lambda ident, _start, end, *_: hits.setdefault(ident, []).append(end),
+                      scratch=self._scratch())
+        return hits
 
     def scan(self, data: bytes, text: str | None = None) -> list[tuple[int, re.Match]]:
         """(pattern id, exact ``re`` match with groups) for every pattern Hyperscan flagged.
 
-        Matches of UTF-8 patterns run over ``text`` and carry character offsets."""
+        Matches of UTF-8 patterns run over ``text`` and carry character offsets. A windowed
+        pattern (bounded match length, e.g. ``key = value`` rules that flag most source files)
+        is confirmed only in the ``window`` bytes before each Hyperscan match end, so its ``re``
+        work is proportional to its matches, not to the document."""
         out = []
-        for ident in self.triggered(data, text):
-            target = text if self.patterns[ident].utf8 and text is not None else data
-            out.extend((ident, m) for m in self._python[ident].finditer(target))
+        for ident, ends in sorted(self._ends(data, text).items()):
+            p, rx = self.patterns[ident], self._python[ident]
+            target = text if p.utf8 and text is not None else data
+            if not p.window or not ends or target is not data:
+                out.extend((ident, m) for m in rx.finditer(target))
+                continue
+            seen: set[tuple[int, int]] = set()
+            for lo, hi in _merge((max(0, e - p.window), e) for e in ends):
+                for m in rx.finditer(data, lo, hi):
+                    if m.span() not in seen:
+                        seen.add(m.span())
+                        out.append((ident, m))
         return out
+
+
+def _merge(spans) -> list[tuple[int, int]]:
+    merged: list[list[int]] = []
+    for lo, hi in sorted(spans):
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    return [(lo, hi) for lo, hi in merged]

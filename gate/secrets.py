@@ -80,10 +80,36 @@ def _basic_auth(secret: str) -> bool:
     return bool(sep and user and len(password) >= 4)
 
 
+_IDENTIFIER = re.compile(r"[A-Za-z_.\-]+|[0-9.,:_/\-]+|[a-z]+(?:[A-Z][a-z]+)+[0-9]?|[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
+_PLACEHOLDER = re.compile(r"(?i)passw|secret|example|sample|changeme|dummy|placeholder|redacted|your|xxxx|\*\*\*|<|>|\.\.\.|^true$|^false$|^none$|^null$")
+
+
+def _generic_value(secret: str) -> bool:
+    """A value assigned to a password/key/token name that is a credential rather than code:
+    not an identifier, dotted name, number, version, path or placeholder, and with a digit or
+    symbol in it (random tokens of 8+ characters almost always have one; identifiers do not)."""
+    if _PLACEHOLDER.search(secret) or secret.startswith(("/", "./", "~")):
+        return False
+    if _IDENTIFIER.fullmatch(secret) and not _random_case(secret):
+        return False
+    if "://" in secret or secret.lower().startswith(("http", "sha256:", "sha1:", "md5:")):
+        return False
+    return bool(re.search(r"[A-Za-z]", secret)) and (bool(re.search(r"[0-9!#%&*+=?@^~]", secret)) or _random_case(secret))
+
+
+def _random_case(value: str) -> bool:
+    """Letters in short case runs (``km-xhFSkVRkhg-n``: words of ~2 letters), unlike identifiers
+    (``CustomGraphModulePass``, ``snake_case``: words of 4+ letters)."""
+    words = re.findall(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])", value)
+    return len(value) >= 12 and bool(words) and sum(map(len, words)) / len(words) < 3
+
+
+
 CHECKSUMS: dict[str, Callable[[str], bool]] = {
     "github-crc32": _github_crc32,
     "jwt": _jwt,
     "basic-auth": _basic_auth,
+    "generic-value": _generic_value,
 }
 
 
@@ -114,6 +140,8 @@ class SecretRule:
     examples: tuple[str, ...] = ()
     counterexamples: tuple[str, ...] = ()
     source: str = "lethe"
+    global_allowlist: bool = True  # False where real keys contain what the global list rejects (AAAAAAA runs)
+    window: int = 0  # longest possible match: confirm only around Hyperscan's match ends (0 = whole input)
 
 
 def _compile_allow(regex: str) -> re.Pattern[str]:
@@ -139,6 +167,7 @@ def load_rules(path: Path = RULES_PATH) -> tuple[list[SecretRule], Allowlist]:
             checksum=r.get("checksum"), score=r.get("score", 0.9),
             allowlist=_allowlist(r.get("allowlist", {})),
             examples=tuple(r.get("examples", [])), counterexamples=tuple(r.get("counterexamples", [])),
+            global_allowlist=r.get("global_allowlist", True), window=r.get("window", 0),
         )
         for r in doc["rules"]
     ]
@@ -225,7 +254,7 @@ class SecretScanner:
     def __init__(self, rules: Iterable[SecretRule], allowlist: Allowlist) -> None:
         self.rules = list(rules)
         self.allowlist = allowlist
-        patterns = [Pattern(i, r.regex, caseless=r.caseless) for i, r in enumerate(self.rules)]
+        patterns = [Pattern(i, r.regex, caseless=r.caseless, window=r.window) for i, r in enumerate(self.rules)]
         self.matcher = MultiMatcher(patterns)
 
     def scan(self, data: bytes) -> list[Finding]:
@@ -234,6 +263,8 @@ class SecretScanner:
 
     def _confirm(self, rule: SecretRule, found: re.Match[bytes]) -> Finding | None:
         group = rule.secret_group if rule.secret_group <= (found.re.groups or 0) else 0
+        if found.group(group) is None:
+            return None
         secret = found.group(group).decode("utf-8", "replace")
         if rule.keywords and not any(k.encode() in found.group(0).lower() for k in rule.keywords):
             return None
@@ -241,7 +272,7 @@ class SecretScanner:
             return None
         if rule.checksum and not CHECKSUMS[rule.checksum](secret):
             return None
-        if self.allowlist.allows(secret) or rule.allowlist.allows(secret):
+        if (rule.global_allowlist and self.allowlist.allows(secret)) or rule.allowlist.allows(secret):
             return None
         s, e = found.span(group)
         return Finding("secret", rule.id, "rules", s, e, rule.score, mask(secret))

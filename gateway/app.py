@@ -26,7 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from audit import AuditLog, Signer
 from audit.api import make_router
-from gate import Gate, InjectionProbe
+from gate import Gate, GateError, InjectionProbe
 from kvkernel import GenerationConfig, Kernel, Model, load_model, named_plan
 from ledger import Ledger
 from policies import PolicyEngine
@@ -56,6 +56,7 @@ class AppState:
     gateway: Gateway | None = None
     model: Model | None = None
     load_error: str | None = None
+    scorer: str | None = None  # what scores injection once the model is in: "stack(probe, byte gate)" | "byte gate"
     ready: threading.Event = field(default_factory=threading.Event)
     sweeper: asyncio.Task[None] | None = None
 
@@ -100,14 +101,20 @@ def build_state(settings: Settings) -> AppState:
 
 
 def load_probe(settings: Settings, model: Model) -> InjectionProbe | None:
-    """The hidden-state injection probe, when enabled and trained against this very model."""
+    """The hidden-state injection probe, when enabled; it must have been trained on this very model.
+
+    A probe trained on other weights reads meaningless states, and silently falling back to the
+    byte gate would halve injection recall unnoticed, so an unmatched probe is refused: train one
+    for this model or choose the byte gate alone explicitly (``LETHE_PROBE=false``)."""
     if not settings.probe:
         return None
-    probe = InjectionProbe.load()
+    probe = InjectionProbe.load(settings.probe_path)
     if probe.model_identity != model.identity:
-        log.warning("probe.disabled", reason="trained on another model", probe_model=probe.model_identity[:16],
-                    model=model.identity[:16])
-        return None
+        raise GateError(
+            f"the injection probe {settings.probe_path or 'gate/weights/probe.npz'} was trained on model "
+            f"{probe.model_identity[:16]}…, not on the configured model {model.name} ({model.identity[:16]}…); "
+            f"train one for it with `python -m gate.train.train_probe --model-dir <converted model dir> --out <path>` "
+            f"and set LETHE_PROBE_PATH, or set LETHE_PROBE=false to score injection with the byte gate alone")
     return probe
 
 
@@ -117,17 +124,23 @@ def kernel_for(settings: Settings, model: Model) -> Kernel:
     return Kernel(model, tile=settings.tile, plan=plan, plan_dir=settings.data_dir / "kernel-plans")
 
 
+def injection_scorer(probe: InjectionProbe | None) -> str:
+    return "stack(probe, byte gate)" if probe is not None else "byte gate"
+
+
 def attach_model(state: AppState, model: Model) -> None:
     s = state.settings
     state.model = model
     state.gateway = Gateway(Components(
         model=model, kernel=kernel_for(s, model), ledger=state.ledger, audit=state.audit,
-        policy=state.policy, gate=state.gate, metrics=state.metrics, probe=load_probe(s, model),
+        policy=state.policy, gate=state.gate, metrics=state.metrics, probe=(probe := load_probe(s, model)),
         salt_secret=secret_file(s.resolved("salt_secret_path", "salt.key")), witness_mode=s.witness_mode,
         max_tool_result_bytes=s.max_tool_result_bytes, check_invariants=s.debug))
+    state.scorer = injection_scorer(probe)
+    state.metrics.injection_scorer.info({"scorer": state.scorer, "probe_model": probe.model_identity[:16] if probe else ""})
     state.ready.set()
     log.info("model.ready", model=model.name, identity=model.identity, device=str(model.device),
-             dtype=str(model.dtype))
+             dtype=str(model.dtype), injection_scorer=state.scorer)
 
 
 def _load_in_background(state: AppState) -> None:
@@ -330,7 +343,7 @@ def create_app(settings: Settings | None = None, *, model: Model | None = None) 
             body = {"status": "loading" if state.load_error is None else "failed", "error": state.load_error}
             return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
         return JSONResponse({"status": "ready", "model": state.model.name, "identity": state.model.identity,
-                             "policy_bundle": state.policy.bundle_hash})
+                             "policy_bundle": state.policy.bundle_hash, "injection_scorer": state.scorer})
 
     @app.get("/metrics")
     def metrics() -> Response:

@@ -266,15 +266,30 @@ def gate_eval(data: Annotated[Path, typer.Option(help="JSONL of {text, label}")]
     from gate import Gate
     from gate.evaluate import load_rows, report, scan_rows
 
+    s = _settings()
     rows = load_rows(data)
+    model_dir = None
+    if probe:  # the probe reads the configured model's states: convert it first, as `lethe prepare` does
+        from kvkernel import prepare_model
+
+        model_dir = prepare_model(s.model, cache_dir=s.resolved("model_cache_dir", "models"), progress=True)
     started = time.perf_counter()
-    scores, nbytes = scan_rows(rows, Gate(gitleaks_config=_settings().gitleaks_config))
+    scores, nbytes = scan_rows(rows, Gate(gitleaks_config=s.gitleaks_config))
     cached = False
     if probe:
         from gate.train.eval_full import stack_scores
 
-        _, scores["injection"], cached = stack_scores(rows, scores["injection"], name=data.stem)
-    result = report(data, rows, scores, nbytes, time.perf_counter() - started)
+        _, scores["injection"], cached = stack_scores(rows, scores["injection"], name=data.stem, model_dir=model_dir,
+                                                      threads=1)  # 2 threads thrash on a shared 2-core machine
+    thresholds = _policy_thresholds(s)
+    result = report(data, rows, scores, nbytes, time.perf_counter() - started, thresholds=thresholds)
+    if all("kind" in r for r in rows):  # a held-out-by-kind set (python -m gate.train.kinds): per-kind figures
+        import numpy as np
+
+        from gate.train.kind_eval import summary
+
+        y = np.array([r["label"] == "injection" for r in rows], dtype=float)
+        result["injection"]["held_out_by_kind"] = summary(rows, scores["injection"], y, thresholds["injection"])
     result["injection_scorer"] = "stack(probe, byte gate)" if probe else "byte gate"
     if cached:
         result["note"] = "the probe read cached model states (var/probe_features/): throughput excludes the model pass"
@@ -284,8 +299,20 @@ def gate_eval(data: Annotated[Path, typer.Option(help="JSONL of {text, label}")]
     for label in ("injection", "secret"):
         typer.echo(f"{label:10} " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
                                             for k, v in result[label].items() if not isinstance(v, dict)))
+        at = result[label].get("at_policy_threshold")
+        if at:
+            typer.echo(f"{'':10} at the policy's threshold {at['threshold']}: recall={at['recall']:.4f} "
+                       f"fpr={at['fpr']:.4f} precision={at['precision']:.4f}")
     typer.echo(f"{result['documents']} documents, {result['megabytes']} MB, {result['throughput_mb_s']} MB/s; "
                f"injection scored by the {result['injection_scorer']}")
+
+
+def _policy_thresholds(s) -> dict[str, float]:
+    """The default tenant's gate thresholds from the configured policy bundle's data."""
+    from policies.bundle import load_bundle
+
+    data = json.loads(load_bundle(s.policy_dir).data_json)
+    return {k: float(v) for k, v in data["lethe"]["defaults"]["thresholds"].items() if k in ("injection", "secret")}
 
 
 # ---- policy ---------------------------------------------------------------------------------

@@ -62,7 +62,10 @@ class Settings(BaseSettings):
 
     # gate
     gitleaks_config: Path | None = None
-    probe: bool = Field(default=True, description="score staged tool results with the hidden-state probe")
+    probe: bool = Field(default=True, description="score staged tool results with the hidden-state probe; false = "
+                        "the byte gate alone, chosen explicitly (an enabled probe trained on another model is refused)")
+    probe_path: Path | None = Field(default=None, description="probe weights (.npz); default gate/weights/probe.npz, "
+                                    "trained on SmolLM2-135M-Instruct")
 
     # audit and secrets
     audit_origin: str = "lethe.local/audit"

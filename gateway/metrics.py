@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 
 @dataclass
@@ -25,3 +25,4 @@ class Metrics:
         self.tokens = Counter("lethe_tokens_total", "Tokens processed", ["phase"], registry=r)
         self.tokens_per_second = Gauge("lethe_decode_tokens_per_second", "Last decode speed", registry=r)
         self.kv_bytes = Gauge("lethe_kv_bytes", "KV cache bytes held across sessions", registry=r)
+        self.injection_scorer = Info("lethe_injection_scorer", "What scores tool results for injection", registry=r)

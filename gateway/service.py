@@ -142,7 +142,8 @@ class Verdict:
         return found
 
     def policy_input(self) -> dict[str, Any]:
-        return {"injection": self.injection, "secret": self.report.secret, "findings": self.findings()}
+        scorer = "byte_gate" if self.probe_score is None else "stack"  # each has its own policy threshold
+        return {"injection": self.injection, "secret": self.report.secret, "findings": self.findings(), "scorer": scorer}
 
     def summary(self) -> dict[str, Any]:
         summary = {**self.report.summary(), "injection": self.injection}

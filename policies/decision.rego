@@ -13,7 +13,8 @@
 #                                        (mcp only: a tool's result, a call's arguments, a tool's listing)
 #     "span":    {"bytes": number, "tokens": number},
 #     "gate":    {"injection": number in [0, 1], "secret": number in [0, 1],
-#                 "findings": [{"kind": string, "rule_id": string, "layer": string, "score": number}]}
+#                 "findings": [{"kind": string, "rule_id": string, "layer": string, "score": number}],
+#                 "scorer": optional "stack" | "byte_gate" (what produced `injection`)}
 #   }
 # Output: {"action": "allow" | "quarantine" | "redact" | "forget" | "amortize", "reasons": [string, ...],
 #          "redact_kinds": [string, ...]   (only with action "redact": the finding kinds to cut out),
@@ -105,7 +106,11 @@ decision_hits := decision_fired if count(decision_fired) > 0
 
 else := {{"rank": 9, "action": "allow", "reason": "default_allow: no rule fired"}}
 
+# The byte gate alone and the probe stack are different scores with different operating points
+# (gate/README.md measures both on kinds never trained on): each has its own default threshold.
 injection_limit := tenant_settings.thresholds.trusted_injection if input.tool in trusted_tools
+
+else := tenant_settings.thresholds.injection_byte_gate if input.gate.scorer == "byte_gate"
 
 else := tenant_settings.thresholds.injection
 

@@ -41,15 +41,22 @@ test_clean_result_is_allowed if {
 }
 
 test_injection_over_default_threshold_quarantines if {
-	d := decide(req("nobody", "web.fetch", {"injection": 0.93, "secret": 0, "findings": []}))
+	d := decide(req("nobody", "web.fetch", {"injection": 0.98, "secret": 0, "findings": []}))
 	d.action == "quarantine"
-	d.reasons == ["injection_threshold: injection 0.93 >= 0.50"]
+	d.reasons == ["injection_threshold: injection 0.98 >= 0.97"]
 }
 
-test_tenant_threshold_override_allows_what_default_quarantines if {
-	gate := {"injection": 0.6, "secret": 0, "findings": []}
-	decide(req("nobody", "web.fetch", gate)).action == "quarantine"
-	decide(req("acme", "web.fetch", gate)).action == "allow"
+test_byte_gate_scores_use_the_byte_gate_threshold if {
+	gate := {"injection": 0.6, "secret": 0, "findings": [], "scorer": "byte_gate"}
+	d := decide(req("nobody", "web.fetch", gate))
+	d.reasons == ["injection_threshold: injection 0.60 >= 0.50"]
+	decide(req("nobody", "web.fetch", object.union(gate, {"scorer": "stack"}))).action == "allow"
+}
+
+test_tenant_threshold_override_quarantines_what_default_allows if {
+	gate := {"injection": 0.9, "secret": 0, "findings": []}
+	decide(req("nobody", "web.fetch", gate)).action == "allow"
+	decide(req("acme", "web.fetch", gate)).action == "quarantine"
 }
 
 test_stricter_tenant_quarantines_low_scores if {
@@ -60,12 +67,12 @@ test_stricter_tenant_quarantines_low_scores if {
 test_trusted_tool_uses_trusted_threshold if {
 	d := decide(req("acme", "search.internal", {"injection": 0.85, "secret": 0, "findings": []}))
 	d.action == "allow"
-	e := decide(req("acme", "search.internal", {"injection": 0.95, "secret": 0, "findings": []}))
-	e.reasons == ["injection_threshold: injection 0.95 >= 0.90 (trusted tool search.internal)"]
+	e := decide(req("acme", "search.internal", {"injection": 0.999, "secret": 0, "findings": []}))
+	e.reasons == ["injection_threshold: injection 1.00 >= 0.99 (trusted tool search.internal)"]
 }
 
 test_trust_is_per_tenant if {
-	decide(req("nobody", "search.internal", {"injection": 0.85, "secret": 0, "findings": []})).action == "quarantine"
+	decide(req("nobody", "search.internal", {"injection": 0.98, "secret": 0, "findings": []})).action == "quarantine"
 }
 
 test_tenant_blocked_tool_quarantines if {
@@ -110,7 +117,7 @@ test_only_redact_carries_redact_kinds if {
 mcp_req(tenant, tool, gate) := object.union(req(tenant, tool, gate), {"channel": "mcp", "upstream": "docs", "phase": "result"})
 
 test_mcp_trusted_tool_uses_trusted_threshold_on_channel_mcp_only if {
-	gate := {"injection": 0.85, "secret": 0, "findings": []}
+	gate := {"injection": 0.98, "secret": 0, "findings": []}
 	decide(mcp_req("agents", "docs/search", gate)).action == "allow"
 	decide(req("agents", "docs/search", gate)).action == "quarantine"
 }
@@ -145,7 +152,7 @@ test_admit_sensitive_only_with_both_switches if {
 }
 
 test_admitted_secret_still_quarantined_when_injected if {
-	decide(req("review", "read_file", {"injection": 0.95, "secret": 0.9, "findings": []})).action == "quarantine"
+	decide(req("review", "read_file", {"injection": 0.98, "secret": 0.9, "findings": []})).action == "quarantine"
 }
 
 test_sensitive_action_without_opt_in_flag_still_redacts if {
@@ -181,6 +188,6 @@ test_score_out_of_range_quarantines if {
 }
 
 test_shipped_defaults_without_fixtures if {
-	d := data.lethe.decision with input as req("nobody", "web.fetch", {"injection": 0.5, "secret": 0, "findings": []})
+	d := data.lethe.decision with input as req("nobody", "web.fetch", {"injection": 0.97, "secret": 0, "findings": []})
 	d.action == "quarantine"
 }

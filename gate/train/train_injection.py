@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import random
 import re
 import time
@@ -33,7 +34,7 @@ from gate.train import synth
 log = structlog.get_logger(__name__)
 
 SEED = 20240611
-BIPIA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "bipia"
+BIPIA_DIR = Path(os.environ.get("LETHE_BIPIA_DIR") or Path(__file__).resolve().parents[2].parent / "shared" / "data" / "bipia")
 DATA_DIR = Path(__file__).resolve().parents[1] / "data"
 TEST_ONLY_FAMILIES = {"manipulate_output", "scam"}
 TEST_ONLY_BENIGN = {"ticket", "log"}
@@ -86,6 +87,28 @@ def _real_text(r: random.Random, limit: int) -> dict[str, list[str]]:
         start = r.randint(0, max(0, len(text) - length))
         out[split].append(text[start : start + length])
     return out
+
+
+def benign_prose(r: random.Random, limit: int) -> list[Doc]:
+    """Contrastive negatives: imperative prose written for humans (package READMEs from METADATA,
+    docstrings), from the training packages only (hash buckets 0-6). Over-defense on exactly this
+    text (install steps, "use the X function", examples) is what held-out READMEs showed."""
+    from gate.train.kinds import _docstrings, package_bucket
+
+    site = Path(np.__file__).resolve().parents[1]
+    meta = [m for m in sorted(site.glob("*.dist-info/METADATA")) if package_bucket(m.parent.name.split("-")[0]) < 7]
+    py = sorted(p for pkg in site.iterdir() if pkg.is_dir() and package_bucket(pkg.name) < 7 for p in pkg.rglob("*.py"))
+    r.shuffle(py)
+    texts = []
+    for m in meta:
+        body = m.read_text(encoding="utf-8", errors="replace").split("\n\n", 1)[-1]
+        texts += [body[i : i + 2000] for i in range(0, min(len(body), 12000), 2000) if len(body[i : i + 2000]) > 300]
+    for path in py:
+        if len(texts) >= limit:
+            break
+        texts += [d[:2000] for d in _docstrings(path)[:3]]
+    r.shuffle(texts)
+    return [Doc(t, "benign", "prose") for t in texts[:limit] if not _SUSPECT.search(t)]
 
 
 def build_corpus(bipia: Path, n_synth: int, n_real: int) -> dict[str, list[Doc]]:
@@ -235,6 +258,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--bipia", type=Path, default=BIPIA_DIR)
     ap.add_argument("--synthetic", type=int, default=3000, help="synthetic benign hosts in train")
     ap.add_argument("--real", type=int, default=5000, help="installed-package files to sample")
+    ap.add_argument("--prose", type=int, default=2000, help="README/docstring negatives from training packages")
     ap.add_argument("--mining-rounds", type=int, default=2)
     ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--l2", type=float, default=1e-5)
@@ -245,7 +269,7 @@ def main(argv: list[str] | None = None) -> dict:
     DATA_DIR.mkdir(exist_ok=True)
     hashes = {s: _write_jsonl(DATA_DIR / f"{s}.jsonl", corpus[s]) for s in ("dev", "test")}
     r = random.Random(SEED + 1)
-    train = [d for d in corpus["train"] if d.label != "secret"]
+    train = [d for d in corpus["train"] if d.label != "secret"] + benign_prose(random.Random(SEED + 2), args.prose)
     windows = [w for d in train for w in _windows(d, r, n_neg=2 if d.label == "benign" else 1)]
     cols, lengths, y = _pack(windows)
     log.info("train_windows", n=len(y), positives=int(y.sum()), seconds=round(time.time() - t0, 1))
@@ -270,7 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
                "train_windows": len(windows), "train_seconds": round(time.time() - t0, 1)}
     meta = {"bits": BITS, "window": WINDOW, "ngrams": list(NGRAMS), "platt": list(platt), "seed": SEED,
             "data_sha256": {**hashes, "bipia": _hash_dir(args.bipia)}, "metrics": metrics,
-            "epochs": args.epochs, "l2": args.l2, "mining_rounds": args.mining_rounds, "real_files": args.real, "test_only": {"families": sorted(TEST_ONLY_FAMILIES), "benign": sorted(TEST_ONLY_BENIGN)}}
+            "epochs": args.epochs, "l2": args.l2, "mining_rounds": args.mining_rounds, "real_files": args.real, "prose_negatives": args.prose, "test_only": {"families": sorted(TEST_ONLY_FAMILIES), "benign": sorted(TEST_ONLY_BENIGN)}}
     args.out.parent.mkdir(exist_ok=True)
     np.savez_compressed(args.out, weights=weights.astype(np.float16), bias=np.float32(bias), meta=json.dumps(meta))
     args.out.with_suffix(".json").write_text(json.dumps(meta, indent=2) + "\n")

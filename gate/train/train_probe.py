@@ -2,6 +2,8 @@
 
     nice -n 10 python -m gate.train.train_probe          # writes gate/weights/probe.{npz,json}
     python -m gate.train.train_probe --full --threads 2  # the same, on whole documents
+    # a probe for another LETHE_MODEL (its converted dir from `lethe prepare`), with the by-kind report:
+    python -m gate.train.train_probe --model-dir var/models/<model> --out var/probe-<model>.npz --kinds var/kinds.jsonl
 
 Data: the same corpus and train/dev/test separation as ``train_injection`` (``build_corpus``,
 same seed), subsampled to fit a CPU budget. Each document is cut to the plan's ``max_tokens``
@@ -288,12 +290,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, default=PROBE_PATH)
     ap.add_argument("--full", action="store_true", help="train and calibrate on whole documents (plan FULL)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--model-dir", type=Path, default=MODEL_DIR,
+                    help="converted checkpoint of the configured LETHE_MODEL (`lethe prepare` prints it)")
+    ap.add_argument("--kinds", type=Path, default=None,
+                    help="also report the held-out-by-kind evaluation on this JSONL (python -m gate.train.kinds)")
     args = ap.parse_args(argv)
     plan = FULL if args.full else CUT
     t0, cpu0 = time.time(), time.process_time()
     corpus = build_corpus(args.bipia, 3000, 5000)  # train_injection's defaults: identical splits
     _check_same_data(corpus)
-    ex = Extractor(layers=plan.layers, threads=args.threads)
+    ex = Extractor(args.model_dir, layers=plan.layers, threads=args.threads)
     r = random.Random(SEED + 7)
     splits = {name: extract(ex, f"{plan.name}-{name}", make_samples(ex.tok, corpus[name], name, r, plan))
               for name in ("train", "dev", "test")}
@@ -315,7 +321,7 @@ def main(argv: list[str] | None = None) -> dict:
     fitted = fit_logreg(x, y, best["l2"])
     dev_logit = doc_logits(_probe(layers, window, fitted), dev)
     platt = fit_platt(dev_logit, dev.y.astype(float))
-    identity = model_identity()
+    identity = model_identity(args.model_dir)
     meta = {"layers": list(layers), "hidden_size": int(fitted[0].size // len(layers)), "window": window, "stride": window // 2,
             "intercept": fitted[3], "platt": list(platt), "model_identity": identity, "seed": SEED, "plan": plan.name,
             "max_tokens": plan.max_tokens or FULL_CAP, "sample": plan.sample, "prefixes": PREFIXES, "l2": best["l2"], "train_windows": int(len(y)),
@@ -348,6 +354,17 @@ def main(argv: list[str] | None = None) -> dict:
                         coef=fitted[2].astype(np.float32), meta=json.dumps(meta))
     args.out.with_suffix(".json").write_text(json.dumps(meta, indent=2) + "\n")
     log.info("trained", best=best, dev=metrics["dev"], test=metrics["test"])
+    if args.kinds is not None:
+        from gate.evaluate import load_rows, scan_rows
+        from gate.train.eval_full import stack_scores
+        from gate.train.kind_eval import evaluate, policy_thresholds
+
+        rows = load_rows(args.kinds)
+        byte = scan_rows(rows, Gate())[0]["injection"]
+        probe_p, stacked, _ = stack_scores(rows, byte, name=args.kinds.stem, threads=args.threads,
+                                           probe=InjectionProbe.load(args.out), model_dir=args.model_dir)
+        meta["held_out_by_kind"] = evaluate(rows, byte, probe_p, stacked, policy_thresholds()["injection"])
+        args.out.with_suffix(".json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
 
 

@@ -160,7 +160,7 @@ path = \'\'\'\\.pem$\'\'\'
 
 
 def test_calibration_on_held_out_test_split(gate: Gate) -> None:
-    rows = [json.loads(x) for x in (DATA / "test.jsonl").read_text().splitlines()][::3]
+    rows = [json.loads(x) for x in (DATA / "test.jsonl").read_text().splitlines()]
     rows = [r for r in rows if r["label"] in ("injection", "benign")]
     scores = np.array([gate.scan(r["text"].encode()).injection for r in rows])
     y = np.array([r["label"] == "injection" for r in rows], dtype=float)

@@ -392,5 +392,15 @@ def test_audit_log_verifies_afterwards(deployment: Deployment, http_run: dict[st
     assert result.exit_code == 0, result.output
     text = export.read_text()
     assert AWS_KEY not in text and "Ignore all previous" not in text
-    result = runner.invoke(cli, ["audit", "verify", "--export", str(export)])
+    pem = tmp_path / "audit-public.pem"
+    pem.write_bytes(_public_key_pem(deployment.data / "audit-key.pem"))
+    result = runner.invoke(cli, ["audit", "verify", "--export", str(export), "--public-key", str(pem)])
     assert result.exit_code == 0, result.output
+
+
+def _public_key_pem(private_key_path: Path) -> bytes:
+    """The gateway's own key, read from its data dir: the root of trust, not the export's claim."""
+    from cryptography.hazmat.primitives import serialization
+
+    key = serialization.load_pem_private_key(private_key_path.read_bytes(), password=None)
+    return key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)

@@ -49,9 +49,9 @@ def engine():
 
 
 def test_shipped_bundle_answers_the_four_questions(engine):
-    d = engine.decide(decision_input(gate={"injection": 0.93, "secret": 0.0, "findings": []}))
-    assert d == Decision("quarantine", ("injection_threshold: injection 0.93 >= 0.50",), engine.bundle_hash)
-    assert d.to_dict() == {"action": "quarantine", "reasons": ["injection_threshold: injection 0.93 >= 0.50"], "bundle_hash": engine.bundle_hash}
+    d = engine.decide(decision_input(gate={"injection": 0.98, "secret": 0.0, "findings": []}))
+    assert d == Decision("quarantine", ("injection_threshold: injection 0.98 >= 0.97",), engine.bundle_hash)
+    assert d.to_dict() == {"action": "quarantine", "reasons": ["injection_threshold: injection 0.98 >= 0.97"], "bundle_hash": engine.bundle_hash}
     redacted = engine.decide(decision_input(gate={"injection": 0.1, "secret": 0.99, "findings": []}))
     assert (redacted.action, redacted.redact_kinds) == ("redact", ("credential", "pii", "secret"))
     assert redacted.to_dict()["redact_kinds"] == ["credential", "pii", "secret"]
@@ -69,7 +69,7 @@ def test_shipped_bundle_answers_the_four_questions(engine):
 
 
 def test_ad_hoc_rule_paths_run_on_the_interpreter(engine):
-    assert engine.evaluate("lethe/tenant_settings", {"tenant": "nobody"})["thresholds"]["injection"] == 0.5
+    assert engine.evaluate("lethe/tenant_settings", {"tenant": "nobody"})["thresholds"]["injection"] == 0.97
     with pytest.raises(PolicyError, match="must look like"):
         engine.evaluate("lethe/../etc", {})
 
@@ -164,7 +164,7 @@ def test_bad_bundle_is_refused_and_old_bundle_stays(make_bundle, rel, text, mess
     with pytest.raises(PolicyError, match=message):
         engine.reload(bad)
     assert engine.bundle_hash == before
-    d = engine.decide(decision_input(gate={"injection": 0.9, "secret": 0, "findings": []}))
+    d = engine.decide(decision_input(gate={"injection": 0.98, "secret": 0, "findings": []}))
     assert (d.action, d.bundle_hash) == ("quarantine", before)
     with pytest.raises(PolicyError):
         PolicyEngine(bad)
@@ -174,9 +174,9 @@ def test_reload_rereads_the_active_directory(make_bundle):
     bundle = make_bundle()
     engine = PolicyEngine(bundle)
     old = engine.bundle_hash
-    gate = {"injection": 0.6, "secret": 0, "findings": []}
+    gate = {"injection": 0.98, "secret": 0, "findings": []}
     assert engine.decide(decision_input(gate=gate)).action == "quarantine"
-    (bundle / "data" / "tenants.json").write_text('{"lethe": {"tenants": {"acme": {"thresholds": {"injection": 0.7}}}}}')
+    (bundle / "data" / "tenants.json").write_text('{"lethe": {"tenants": {"acme": {"thresholds": {"injection": 0.99}}}}}')
     new = engine.reload()
     assert new != old and engine.bundle_hash == new and engine.bundle_dir == bundle.resolve()
     d = engine.decide(decision_input(gate=gate))
@@ -185,12 +185,12 @@ def test_reload_rereads_the_active_directory(make_bundle):
 
 def test_reload_is_atomic_under_concurrent_decisions(make_bundle):
     strict = make_bundle()
-    lenient = make_bundle(tenants={"acme": {"thresholds": {"injection": 0.7}}})
+    lenient = make_bundle(tenants={"acme": {"thresholds": {"injection": 0.99}}})
     engine = PolicyEngine(strict)
     strict_hash = engine.bundle_hash
     lenient_hash = PolicyEngine(lenient).bundle_hash
     expected = {strict_hash: "quarantine", lenient_hash: "allow"}
-    gate = {"injection": 0.6, "secret": 0, "findings": []}
+    gate = {"injection": 0.98, "secret": 0, "findings": []}
     stop = threading.Event()
     seen: list[tuple[str, str]] = []
     errors: list[BaseException] = []
