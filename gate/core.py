@@ -10,7 +10,7 @@ from pathlib import Path
 
 import structlog
 
-from ._text import Decoded, decode
+from ._text import Decoded, decode, detection_view
 from .findings import Finding, GateReport
 from .heuristics import HeuristicScanner, load_injection_rules
 from .learned import WEIGHTS_PATH, NgramScorer
@@ -48,10 +48,11 @@ class Gate:
             data = data.encode("utf-8", "surrogatepass")
         doc = decode(bytes(data))
         findings = _encoding_findings(doc)
+        view = detection_view(doc)  # normalised text for detection; findings keep raw offsets
         secrets = self.secrets.scan(doc.clean)
         spans = [(f.byte_start, f.byte_end) for f in secrets]
         findings += secrets
-        findings += self.heuristics.scan(doc, lambda b0, b1: _excerpt(doc, b0, b1, spans))
+        findings += self.heuristics.scan(doc, view, lambda b0, b1: _excerpt(doc, b0, b1, spans))
         findings.sort(key=lambda f: (f.byte_start, f.byte_end, f.rule_id))
         report = GateReport(
             injection=_noisy_or(f for f in findings if f.kind == "injection"),

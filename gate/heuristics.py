@@ -8,6 +8,7 @@ the hidden content as of visible text: does it read like an instruction to the m
 from __future__ import annotations
 
 import base64
+import bisect
 import binascii
 import re
 import tomllib
@@ -15,14 +16,20 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ._text import Decoded
-from .engine import MultiMatcher, Pattern
+import numpy as np
+
+from ._text import Decoded, View, decode, detection_view
+from .engine import MultiMatcher, Pattern, SpanMatcher
 from .errors import GateError
 from .findings import Finding
 from .learned import NgramScorer
 
 RULES_PATH = Path(__file__).parent / "rules" / "injection.toml"
 HIDDEN_CONTENT_MIN = 0.5  # content score above which hidden text counts as an injection
+HIDDEN_SCORED = 64  # hidden regions scored one by one; the rest are scored once, together
+HIDDEN_CHARS = 4000  # characters of one hidden region that are scored
+TAG_LOOKBACK = 512  # characters searched back from hiding CSS for the element's opening "<"
+ATTR_VALUE_MAX = 2000  # longest alt/title/aria-label value read
 
 # Hyperscan screens (over bytes) that decide whether a detector needs to run at all.
 _SCREENS = {
@@ -38,12 +45,12 @@ _TAGS = re.compile("[\U000E0000-\U000E007F]+")
 _TAG_FLAG = re.compile("\U0001F3F4[\U000E0020-\U000E007E]+\U000E007F")
 _ZERO_WIDTH = re.compile("[\u200b-\u200d\u2060-\u2064]")
 _BIDI = re.compile("[\u202a-\u202e\u2066-\u2069]")
-_HTML_REGIONS = [
-    re.compile(r"<!--(.*?)-->", re.S),
-    re.compile(r"<(\w+)\b[^>]*?style\s*=\s*[\"'][^\"']*(?:display\s*:\s*none|visibility\s*:\s*hidden|font-size\s*:\s*0|opacity\s*:\s*0)"
-               r"[^>]*>(.*?)</\1\s*>", re.S | re.I),
-    re.compile(r"\b(?:alt|title|aria-label)\s*=\s*\"([^\"]{20,2000})\"|\b(?:alt|title|aria-label)\s*=\s*'([^']{20,2000})'", re.I),
-]
+# Linear-time pieces of the hidden-HTML detector: every regex below has bounded repeats and a
+# literal start, and the code that joins them (str.find, bisect) never rescans text.
+_HIDING_CSS = re.compile(r"(?:display\s{0,8}:\s{0,8}none|visibility\s{0,8}:\s{0,8}hidden|font-size\s{0,8}:\s{0,8}0"
+                         r"|opacity\s{0,8}:\s{0,8}0)", re.I)
+_TAG_NAME = re.compile(r"<(\w{1,32})")
+_ATTR = re.compile(r"\b(?:alt|title|aria-label)\s{0,8}=\s{0,8}([\"'])", re.I)
 _BASE64 = re.compile(r"[A-Za-z0-9+/_\-]{24,}={0,2}")
 _HEX = re.compile(r"\b(?:[0-9A-Fa-f]{2}){20,}\b")
 
@@ -82,46 +89,56 @@ class HeuristicScanner:
         self._patterns = [Pattern(i, r.regex if r.regex else _SCREENS[r.id], caseless=True, utf8=bool(r.regex))
                           for i, r in enumerate(rules)]
         self.matcher = MultiMatcher(self._patterns)
-        self._phrase = MultiMatcher([p for p in self._patterns if rules[p.ident].regex])
+        phrases = [p for p in self._patterns if rules[p.ident].regex]
+        self._phrase = MultiMatcher(phrases)
+        self._spans = SpanMatcher(phrases)
 
-    def scan(self, doc: Decoded, excerpt: Excerpt) -> list[Finding]:
+    # Detectors that look for the hidden characters themselves read the decoded text; everything
+    # else reads the normalised view (gate._text.detection_view), offsets mapped back to raw bytes.
+    _ON_RAW = frozenset({"hidden-unicode-tags", "hidden-zero-width", "hidden-bidi"})
+
+    def scan(self, doc: Decoded, view: View, excerpt: Excerpt) -> list[Finding]:
         findings: list[Finding] = []
-        for ident in self.matcher.triggered(doc.clean, doc.text):
+        triggered = set(self.matcher.triggered(view.clean, view.text))
+        if view.changed:
+            triggered |= {i for i in self.matcher.triggered(doc.clean, doc.text) if self.rules[i].id in self._ON_RAW}
+        for ident in sorted(triggered):
             rule = self.rules[ident]
             if rule.regex:
-                rx = self.matcher._python[ident]
-                for m in rx.finditer(doc.text):
-                    b0, b1 = doc.byte_offset(m.start()), doc.byte_offset(m.end())
+                for s, e in self._spans.spans(ident, view.clean):
+                    b0, b1 = view.raw_offset(s), view.raw_offset(e)
                     findings.append(Finding("injection", rule.id, "rules", b0, b1, rule.score, excerpt(b0, b1)))
             else:
-                findings.extend(getattr(self, "_" + rule.id.replace("-", "_"))(doc, rule, excerpt))
+                source = doc if rule.id in self._ON_RAW else view
+                findings.extend(getattr(self, "_" + rule.id.replace("-", "_"))(source, rule, excerpt))
         return findings
 
     # ----------------------------------------------------------------- content scoring
 
     def content_score(self, text: str) -> float:
-        """How instruction-like a piece of (possibly hidden) text is: phrase rules or learned."""
-        data = text.encode("utf-8", "replace")
-        phrase = max((self.rules[i].score for i in self._phrase.triggered(data, text)
-                      if self._phrase._python[i].search(text)), default=0.0)
+        """How instruction-like a piece of (possibly hidden) text is: phrase rules or learned,
+        both on its normalised view."""
+        data = detection_view(decode(text.encode("utf-8", "replace"))).clean
+        phrase = max((self.rules[i].score for i in self._phrase.triggered(data)
+                      if self._spans.spans(i, data)), default=0.0)
         learned = self.scorer.probability(self.scorer.best_window(data).logit) if self.scorer and data else 0.0
         return max(phrase, learned)
 
     # ----------------------------------------------------------------- detectors
 
-    def _learned_window(self, doc: Decoded, rule: InjectionRule, excerpt: Excerpt) -> Iterator[Finding]:
-        if self.scorer is None or not doc.clean:
+    def _learned_window(self, view: View, rule: InjectionRule, excerpt: Excerpt) -> Iterator[Finding]:
+        if self.scorer is None or not view.clean:
             return
-        best = self.scorer.best_window(doc.clean)
+        best = self.scorer.best_window(view.clean)
         p = self.scorer.probability(best.logit)
         if p >= 0.5:
-            yield Finding("injection", rule.id, "learned", best.byte_start, best.byte_end, p,
-                          excerpt(best.byte_start, best.byte_end))
+            b0, b1 = view.raw_offset(best.byte_start), view.raw_offset(best.byte_end)
+            yield Finding("injection", rule.id, "learned", b0, b1, p, excerpt(b0, b1))
 
     def _hidden_unicode_tags(self, doc: Decoded, rule: InjectionRule, excerpt: Excerpt) -> Iterator[Finding]:
         flags = {m.span() for m in _TAG_FLAG.finditer(doc.text)}
         for m in _TAGS.finditer(doc.text):
-            if any(s <= m.start() and m.end() <= e for s, e in flags) or len(m.group()) < 2:
+            if (m.start() - 1, m.end()) in flags or len(m.group()) < 2:  # the tags of one emoji flag
                 continue
             hidden = "".join(chr(ord(c) - 0xE0000) for c in m.group())
             b0, b1 = doc.byte_offset(m.start()), doc.byte_offset(m.end())
@@ -134,7 +151,7 @@ class HeuristicScanner:
         if not (runs or len(in_word) >= 3):
             return
         b0, b1 = doc.byte_offset(hits[0]), doc.byte_offset(hits[-1] + 1)
-        stripped = _ZERO_WIDTH.sub("", doc.text[hits[0] : hits[-1] + 1][:4000])
+        stripped = _ZERO_WIDTH.sub("", doc.text[hits[0] : hits[-1] + 1][:HIDDEN_CHARS])
         score = max(rule.score, self.content_score(stripped) if len(in_word) >= 3 else 0.0)
         yield Finding("injection", rule.id, "heuristic", b0, b1, score, f"{len(hits)} zero-width chars: {excerpt(b0, b1)}")
 
@@ -144,17 +161,23 @@ class HeuristicScanner:
             b0, b1 = doc.byte_offset(hits[0]), doc.byte_offset(hits[-1] + 1)
             yield Finding("injection", rule.id, "heuristic", b0, b1, rule.score, f"{len(hits)} bidi controls")
 
-    def _hidden_html(self, doc: Decoded, rule: InjectionRule, excerpt: Excerpt) -> Iterator[Finding]:
-        for rx in _HTML_REGIONS:
-            for m in rx.finditer(doc.text):
-                group = next(i for i in range(rx.groups, 0, -1) if m.group(i) is not None)
-                content = m.group(group)
-                score = self.content_score(content[:4000])
-                if score >= HIDDEN_CONTENT_MIN:
-                    b0, b1 = doc.byte_offset(m.start(group)), doc.byte_offset(m.end(group))
-                    yield Finding("injection", rule.id, "heuristic", b0, b1, min(0.99, max(score, rule.score)), excerpt(b0, b1))
+    def _hidden_html(self, view: View, rule: InjectionRule, excerpt: Excerpt) -> Iterator[Finding]:
+        """Instruction-like text in comments, CSS-hidden elements and alt/title/aria-label values.
 
-    def _encoded_payload(self, doc: Decoded, rule: InjectionRule, excerpt: Excerpt) -> Iterator[Finding]:
+        The first HIDDEN_SCORED regions are scored one by one; any further ones are scored once as
+        one text (reported as one span), so 10 000 tiny comments cost one scoring, not 10 000."""
+        regions = sorted(set(_comments(view.text)) | set(_css_hidden(view.text)) | set(_attribute_values(view.text)))
+        groups = [[r] for r in regions[:HIDDEN_SCORED]]
+        if len(regions) > HIDDEN_SCORED:
+            groups.append(regions[HIDDEN_SCORED:])
+        for group in groups:
+            content = "\n".join(view.text[s:e][:HIDDEN_CHARS] for s, e in group)
+            score = self.content_score(content)
+            if score >= HIDDEN_CONTENT_MIN:
+                b0, b1 = view.byte_offset(group[0][0]), view.byte_offset(group[-1][1])
+                yield Finding("injection", rule.id, "heuristic", b0, b1, min(0.99, max(score, rule.score)), excerpt(b0, b1))
+
+    def _encoded_payload(self, doc: View, rule: InjectionRule, excerpt: Excerpt) -> Iterator[Finding]:
         candidates = [(m, _b64(m.group())) for m in _BASE64.finditer(doc.text)]
         candidates += [(m, _hex(m.group())) for m in _HEX.finditer(doc.text)]
         for m, decoded in candidates[:200]:
@@ -165,6 +188,54 @@ class HeuristicScanner:
                 b0, b1 = doc.byte_offset(m.start()), doc.byte_offset(m.end())
                 yield Finding("injection", rule.id, "heuristic", b0, b1, min(0.99, max(score, rule.score)),
                               f"decodes to: {decoded[:80]!r}")
+
+
+def _comments(text: str) -> Iterator[tuple[int, int]]:
+    """Contents of <!-- ... --> (an unclosed comment runs to the end); each character read once."""
+    pos = text.find("<!--")
+    while pos >= 0:
+        end = text.find("-->", pos + 4)
+        yield pos + 4, len(text) if end < 0 else end
+        if end < 0:
+            return
+        pos = text.find("<!--", end + 3)
+
+
+def _css_hidden(text: str) -> Iterator[tuple[int, int]]:
+    """Contents of elements whose opening tag hides them with CSS. The tag's "<" is searched at most
+    TAG_LOOKBACK characters back; hiding CSS inside an element already reported is skipped."""
+    done = 0
+    for m in _HIDING_CSS.finditer(text):
+        if m.start() < done:
+            continue
+        lt = text.rfind("<", max(0, m.start() - TAG_LOOKBACK), m.start())
+        gt = text.find(">", m.end(), m.end() + TAG_LOOKBACK)
+        name = _TAG_NAME.match(text, lt) if lt >= 0 else None
+        if name is None or gt < 0 or ">" in text[lt : m.start()]:
+            continue
+        close = text.find("</" + name.group(1), gt + 1, gt + 1 + 4 * HIDDEN_CHARS)
+        end = close if close >= 0 else min(len(text), gt + 1 + HIDDEN_CHARS)
+        yield gt + 1, end
+        done = end
+
+
+def _attribute_values(text: str) -> Iterator[tuple[int, int]]:
+    """alt/title/aria-label values of 20 to ATTR_VALUE_MAX characters. The closing quote is found
+    with bisect over the quote positions (computed once), so no value is read twice."""
+    quotes = {q: np.flatnonzero(np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32) == ord(q))
+              for q in "\"'"} if "=" in text else {}
+    done = 0
+    for m in _ATTR.finditer(text):
+        if m.start() < done:
+            continue
+        positions = quotes[m.group(1)]
+        i = bisect.bisect_left(positions, m.end())
+        if i == len(positions):
+            continue
+        close = int(positions[i])
+        if 20 <= close - m.end() <= ATTR_VALUE_MAX:
+            yield m.end(), close
+            done = close + 1
 
 
 def _texty(raw: bytes) -> str | None:
