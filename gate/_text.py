@@ -24,7 +24,7 @@ class Decoded:
     raw: bytes
     clean: bytes  # same length as raw, valid UTF-8
     text: str
-    invalid: tuple[tuple[int, int], ...]  # byte ranges [start, end) of invalid UTF-8 runs
+    invalid: np.ndarray = field(repr=False)  # int64 [k, 2]: byte ranges [start, end) of invalid UTF-8 runs
     char_to_byte: np.ndarray = field(repr=False)  # len(text) + 1 entries
 
     def byte_offset(self, char_index: int) -> int:
@@ -32,7 +32,7 @@ class Decoded:
         return int(self.char_to_byte[char_index])
 
 
-def _codepoints(text: str) -> np.ndarray:
+def codepoints(text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
 
 
@@ -42,23 +42,22 @@ def _utf8_lengths(cps: np.ndarray) -> np.ndarray:
     return lengths
 
 
-def _runs(positions: np.ndarray) -> tuple[tuple[int, int], ...]:
-    if positions.size == 0:
-        return ()
+def _runs(positions: np.ndarray) -> np.ndarray:
     breaks = np.flatnonzero(np.diff(positions) != 1) + 1
-    groups = np.split(positions, breaks)
-    return tuple((int(g[0]), int(g[-1]) + 1) for g in groups)
+    starts = positions[np.concatenate(([0], breaks))]
+    ends = positions[np.concatenate((breaks - 1, [positions.size - 1]))] + 1
+    return np.stack([starts, ends], axis=1)
 
 
 def decode(data: bytes) -> Decoded:
     """Decode ``data`` without ever raising; see the module docstring for the offset contract."""
     escaped = data.decode("utf-8", "surrogateescape")
-    cps = _codepoints(escaped)
+    cps = codepoints(escaped)
     starts = np.zeros(len(escaped) + 1, dtype=np.int64)
     np.cumsum(_utf8_lengths(cps), out=starts[1:])
     bad = (cps >= 0xDC80) & (cps <= 0xDCFF)
     if not bad.any():
-        return Decoded(data, data, escaped, (), starts)
+        return Decoded(data, data, escaped, np.zeros((0, 2), dtype=np.int64), starts)
     positions = starts[:-1][bad]
     buf = np.frombuffer(data, dtype=np.uint8).copy()
     buf[positions] = 0x3F
@@ -114,7 +113,7 @@ _IGNORE, _ALPHA, _NFKC_CHANGES = 1, 2, 4
 
 
 @functools.cache
-def _properties() -> np.ndarray:
+def unicode_tables() -> np.ndarray:
     """One flag byte per code point (ignorable, alphabetic, changed by NFKC): built once (~0.3 s),
     so that the view costs numpy lookups per character and Python work only per distinct change."""
     flags = np.zeros(0x110000, dtype=np.uint8)
@@ -129,9 +128,15 @@ def _properties() -> np.ndarray:
     return flags
 
 
+def word_chars(cps: np.ndarray) -> np.ndarray:
+    """Per code point: letter, digit or underscore (``str.isalnum`` plus "_", vectorised)."""
+    ascii_word = ((cps | 0x20) >= 0x61) & ((cps | 0x20) <= 0x7A) | ((cps >= 0x30) & (cps <= 0x39)) | (cps == 0x5F)
+    return ascii_word | ((unicode_tables()[cps] & _ALPHA) != 0)
+
+
 def _replacements(unique: np.ndarray) -> dict[int, str]:
     """NFKC image of each distinct code point that changes ('' for ignorables), ignorables removed."""
-    flags = _properties()
+    flags = unicode_tables()
     out: dict[int, str] = {}
     for cp in unique[(flags[unique] & (_IGNORE | _NFKC_CHANGES)) != 0].tolist():
         nf = "" if flags[cp] & _IGNORE else unicodedata.normalize("NFKC", chr(cp))
@@ -146,8 +151,7 @@ def _fold_homoglyphs(cps: np.ndarray) -> np.ndarray:
     if not conf.any():
         return cps
     latin = ((cps | 0x20) >= 0x61) & ((cps | 0x20) <= 0x7A)
-    word = latin | conf | ((_properties()[cps] & _ALPHA) != 0) | ((cps >= 0x30) & (cps <= 0x39)) | (cps == 0x5F)
-    word_id = np.cumsum(~word)
+    word_id = np.cumsum(~(word_chars(cps) | conf))
     fold = conf & (np.bincount(word_id, weights=latin) > 0)[word_id]
     out = cps.copy()
     out[fold] = target[fold]
@@ -157,7 +161,7 @@ def _fold_homoglyphs(cps: np.ndarray) -> np.ndarray:
 def _expand(cps: np.ndarray, table: dict[int, str]) -> tuple[np.ndarray, np.ndarray]:
     """Apply a code point -> string table with numpy gathers: (new code points, source index of each)."""
     keys = np.array(sorted(table), dtype=np.uint32)
-    images = [_codepoints(table[k]) for k in keys.tolist()]
+    images = [codepoints(table[k]) for k in keys.tolist()]
     sizes = np.array([im.size for im in images], dtype=np.int64)
     flat = np.concatenate(images + [np.zeros(1, dtype=np.uint32)])
     first = np.concatenate(([0], np.cumsum(sizes)[:-1]))
@@ -176,7 +180,7 @@ def detection_view(doc: Decoded) -> View:
     text = doc.text
     if text.isascii():
         return View(doc.clean, text, doc.char_to_byte, np.arange(len(doc.clean) + 1, dtype=np.int64))
-    cps = _codepoints(text)
+    cps = codepoints(text)
     table = _replacements(np.unique(cps))
     if table:
         cps, source = _expand(cps, table)

@@ -8,8 +8,8 @@ the hidden content as of visible text: does it read like an instruction to the m
 from __future__ import annotations
 
 import base64
-import bisect
 import binascii
+import itertools
 import re
 import tomllib
 from collections.abc import Callable, Iterator
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._text import Decoded, View, decode, detection_view
+from ._text import Decoded, View, codepoints, decode, detection_view, word_chars
 from .engine import MultiMatcher, Pattern, SpanMatcher
 from .errors import GateError
 from .findings import Finding
@@ -27,6 +27,8 @@ from .learned import NgramScorer
 RULES_PATH = Path(__file__).parent / "rules" / "injection.toml"
 HIDDEN_CONTENT_MIN = 0.5  # content score above which hidden text counts as an injection
 HIDDEN_SCORED = 64  # hidden regions scored one by one; the rest are scored once, together
+ENCODED_CANDIDATES = 200  # base64 runs (and hex runs) decoded per result
+HIDDEN_FINDINGS = 16  # hidden-character runs reported one by one; any further ones as one finding
 HIDDEN_CHARS = 4000  # characters of one hidden region that are scored
 TAG_LOOKBACK = 512  # characters searched back from hiding CSS for the element's opening "<"
 ATTR_VALUE_MAX = 2000  # longest alt/title/aria-label value read
@@ -44,13 +46,14 @@ _SCREENS = {
 _TAGS = re.compile("[\U000E0000-\U000E007F]+")
 _TAG_FLAG = re.compile("\U0001F3F4[\U000E0020-\U000E007E]+\U000E007F")
 _ZERO_WIDTH = re.compile("[\u200b-\u200d\u2060-\u2064]")
-_BIDI = re.compile("[\u202a-\u202e\u2066-\u2069]")
 # Linear-time pieces of the hidden-HTML detector: every regex below has bounded repeats and a
 # literal start, and the code that joins them (str.find, bisect) never rescans text.
 _HIDING_CSS = re.compile(r"(?:display\s{0,8}:\s{0,8}none|visibility\s{0,8}:\s{0,8}hidden|font-size\s{0,8}:\s{0,8}0"
                          r"|opacity\s{0,8}:\s{0,8}0)", re.I)
 _TAG_NAME = re.compile(r"<(\w{1,32})")
-_ATTR = re.compile(r"\b(?:alt|title|aria-label)\s{0,8}=\s{0,8}([\"'])", re.I)
+# Linear: a value scan stops at the next quote of its kind, and that quote opens the next
+# candidate of the same kind, so the scans of one kind cover disjoint text (<= 2 passes each).
+_ATTR = re.compile(r"\b(?:alt|title|aria-label)\s{0,8}=\s{0,8}(?:\"([^\"]{20,%d})\"|'([^']{20,%d})')" % (ATTR_VALUE_MAX, ATTR_VALUE_MAX), re.I)
 _BASE64 = re.compile(r"[A-Za-z0-9+/_\-]{24,}={0,2}")
 _HEX = re.compile(r"\b(?:[0-9A-Fa-f]{2}){20,}\b")
 
@@ -137,29 +140,37 @@ class HeuristicScanner:
 
     def _hidden_unicode_tags(self, doc: Decoded, rule: InjectionRule, excerpt: Excerpt) -> Iterator[Finding]:
         flags = {m.span() for m in _TAG_FLAG.finditer(doc.text)}
-        for m in _TAGS.finditer(doc.text):
-            if (m.start() - 1, m.end()) in flags or len(m.group()) < 2:  # the tags of one emoji flag
-                continue
-            hidden = "".join(chr(ord(c) - 0xE0000) for c in m.group())
-            b0, b1 = doc.byte_offset(m.start()), doc.byte_offset(m.end())
-            yield Finding("injection", rule.id, "heuristic", b0, b1, rule.score, f"hidden ASCII: {hidden[:80]!r}")
+        runs = [m for m in _TAGS.finditer(doc.text)
+                if (m.start() - 1, m.end()) not in flags and m.end() - m.start() >= 2]  # not one emoji flag's tags
+        for group in [[m] for m in runs[:HIDDEN_FINDINGS]] + ([runs[HIDDEN_FINDINGS:]] if runs[HIDDEN_FINDINGS:] else []):
+            hidden = "".join(chr(ord(c) - 0xE0000) for c in group[0].group()[:80])
+            b0, b1 = doc.byte_offset(group[0].start()), doc.byte_offset(group[-1].end())
+            more = f" (+{len(group) - 1} more runs)" if len(group) > 1 else ""
+            yield Finding("injection", rule.id, "heuristic", b0, b1, rule.score, f"hidden ASCII: {hidden!r}{more}")
 
     def _hidden_zero_width(self, doc: Decoded, rule: InjectionRule, excerpt: Excerpt) -> Iterator[Finding]:
-        hits = [m.start() for m in _ZERO_WIDTH.finditer(doc.text)]
-        in_word = [i for i in hits if 0 < i < len(doc.text) - 1 and doc.text[i - 1].isalnum() and doc.text[i + 1].isalnum()]
-        runs = any(b - a == 1 for a, b in zip(hits, hits[1:]))
-        if not (runs or len(in_word) >= 3):
+        cps = codepoints(doc.text)
+        hits = np.flatnonzero(((cps >= 0x200B) & (cps <= 0x200D)) | ((cps >= 0x2060) & (cps <= 0x2064)))
+        if hits.size == 0:
             return
-        b0, b1 = doc.byte_offset(hits[0]), doc.byte_offset(hits[-1] + 1)
-        stripped = _ZERO_WIDTH.sub("", doc.text[hits[0] : hits[-1] + 1][:HIDDEN_CHARS])
-        score = max(rule.score, self.content_score(stripped) if len(in_word) >= 3 else 0.0)
-        yield Finding("injection", rule.id, "heuristic", b0, b1, score, f"{len(hits)} zero-width chars: {excerpt(b0, b1)}")
+        alnum = word_chars(cps)
+        inner = hits[(hits > 0) & (hits < cps.size - 1)]
+        in_word = int(np.count_nonzero(alnum[inner - 1] & alnum[inner + 1]))
+        runs = bool(np.any(np.diff(hits) == 1))
+        if not (runs or in_word >= 3):
+            return
+        first, last = int(hits[0]), int(hits[-1])
+        b0, b1 = doc.byte_offset(first), doc.byte_offset(last + 1)
+        stripped = _ZERO_WIDTH.sub("", doc.text[first : last + 1][:HIDDEN_CHARS])
+        score = max(rule.score, self.content_score(stripped) if in_word >= 3 else 0.0)
+        yield Finding("injection", rule.id, "heuristic", b0, b1, score, f"{hits.size} zero-width chars: {excerpt(b0, b1)}")
 
     def _hidden_bidi(self, doc: Decoded, rule: InjectionRule, excerpt: Excerpt) -> Iterator[Finding]:
-        hits = [m.start() for m in _BIDI.finditer(doc.text)]
-        if hits:
-            b0, b1 = doc.byte_offset(hits[0]), doc.byte_offset(hits[-1] + 1)
-            yield Finding("injection", rule.id, "heuristic", b0, b1, rule.score, f"{len(hits)} bidi controls")
+        cps = codepoints(doc.text)
+        hits = np.flatnonzero(((cps >= 0x202A) & (cps <= 0x202E)) | ((cps >= 0x2066) & (cps <= 0x2069)))
+        if hits.size:
+            b0, b1 = doc.byte_offset(int(hits[0])), doc.byte_offset(int(hits[-1]) + 1)
+            yield Finding("injection", rule.id, "heuristic", b0, b1, rule.score, f"{hits.size} bidi controls")
 
     def _hidden_html(self, view: View, rule: InjectionRule, excerpt: Excerpt) -> Iterator[Finding]:
         """Instruction-like text in comments, CSS-hidden elements and alt/title/aria-label values.
@@ -178,9 +189,11 @@ class HeuristicScanner:
                 yield Finding("injection", rule.id, "heuristic", b0, b1, min(0.99, max(score, rule.score)), excerpt(b0, b1))
 
     def _encoded_payload(self, doc: View, rule: InjectionRule, excerpt: Excerpt) -> Iterator[Finding]:
-        candidates = [(m, _b64(m.group())) for m in _BASE64.finditer(doc.text)]
-        candidates += [(m, _hex(m.group())) for m in _HEX.finditer(doc.text)]
-        for m, decoded in candidates[:200]:
+        # The first ENCODED_CANDIDATES runs of each kind are decoded (each decode is linear in its run).
+        candidates = [(m, _b64) for m in itertools.islice(_BASE64.finditer(doc.text), ENCODED_CANDIDATES)]
+        candidates += [(m, _hex) for m in itertools.islice(_HEX.finditer(doc.text), ENCODED_CANDIDATES)]
+        for m, decoder in candidates:
+            decoded = decoder(m.group())
             if decoded is None:
                 continue
             score = self.content_score(decoded)
@@ -220,22 +233,10 @@ def _css_hidden(text: str) -> Iterator[tuple[int, int]]:
 
 
 def _attribute_values(text: str) -> Iterator[tuple[int, int]]:
-    """alt/title/aria-label values of 20 to ATTR_VALUE_MAX characters. The closing quote is found
-    with bisect over the quote positions (computed once), so no value is read twice."""
-    quotes = {q: np.flatnonzero(np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32) == ord(q))
-              for q in "\"'"} if "=" in text else {}
-    done = 0
+    """alt/title/aria-label values of 20 to ATTR_VALUE_MAX characters."""
     for m in _ATTR.finditer(text):
-        if m.start() < done:
-            continue
-        positions = quotes[m.group(1)]
-        i = bisect.bisect_left(positions, m.end())
-        if i == len(positions):
-            continue
-        close = int(positions[i])
-        if 20 <= close - m.end() <= ATTR_VALUE_MAX:
-            yield m.end(), close
-            done = close + 1
+        group = 1 if m.group(1) is not None else 2
+        yield m.start(group), m.end(group)
 
 
 def _texty(raw: bytes) -> str | None:
@@ -244,8 +245,9 @@ def _texty(raw: bytes) -> str | None:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         return None
-    printable = sum(ch.isprintable() or ch in "\n\t" for ch in text)
-    if len(text) < 16 or printable < 0.95 * len(text) or text.count(" ") < 3:
+    sample = text[:HIDDEN_CHARS]  # judged on its start: a bounded cost per candidate
+    printable = len(sample) if sample.isprintable() else sum(ch.isprintable() or ch in "\n\t" for ch in sample)
+    if len(text) < 16 or printable < 0.95 * len(sample) or sample.count(" ") < 3:
         return None
     return text
 
