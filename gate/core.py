@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import structlog
 from ._text import Decoded, decode, detection_view, unicode_tables
 from .findings import Finding, GateReport
 from .heuristics import HeuristicScanner, load_injection_rules
+from .joined import JOIN_WINDOW, scan_joined
 from .learned import WEIGHTS_PATH, NgramScorer
 from .errors import GateError
 from .secrets import Allowlist, SecretRule, SecretScanner, load_gitleaks, load_rules
@@ -63,6 +65,11 @@ class Gate:
             elapsed_us=(time.perf_counter_ns() - t0) // 1000,
         )
         return report
+
+
+    def scan_joined(self, parts: Sequence[bytes], *, window: int = JOIN_WINDOW) -> tuple[GateReport, ...]:
+        """Adjacent untrusted parts scored alone and joined (see gate/joined.py for the window)."""
+        return scan_joined(self, parts, window=window)
 
 
 def _with_global_allowlist(rule: SecretRule, allow: Allowlist) -> SecretRule:
