@@ -5,12 +5,13 @@ and token_count equals the kernel's cache length. Persisted through SQLAlchemy (
 PostgreSQL), content stored content-addressed so that a forget also erases stored content.
 """
 from .content import ContentStore
-from .errors import LedgerError, LedgerInvariantError, UnknownSegment, UnknownSession
+from .errors import ErasureIncomplete, LedgerError, LedgerInvariantError, UnknownSegment, UnknownSession
 from .ledger import Ledger
 from .records import Segment, SegmentState, SessionRecord
 
 __all__ = [
     "ContentStore",
+    "ErasureIncomplete",
     "Ledger",
     "LedgerError",
     "LedgerInvariantError",
