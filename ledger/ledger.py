@@ -152,11 +152,16 @@ class Ledger:
         segments holding the old rows are recycled; archived WAL (archive_command) and base
         backups keep them until their own expiry, which this cannot reach (ledger/README.md).
         """
-        with self._serial, self._engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            if self._engine.dialect.name == "sqlite":
-                if self._sqlite_file:
-                    conn.exec_driver_sql("VACUUM")
-            else:
+        if self._engine.dialect.name == "sqlite":
+            if self._sqlite_file:  # outside any transaction: the raw connection is in autocommit
+                with self._serial:
+                    raw = self._engine.raw_connection()
+                    try:
+                        raw.cursor().execute("VACUUM")
+                    finally:
+                        raw.close()
+        else:
+            with self._engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
                 conn.exec_driver_sql(f"VACUUM (FULL, ANALYZE) {blobs.name}, {segments.name}, {sessions.name}")
                 try:
                     conn.exec_driver_sql("CHECKPOINT")

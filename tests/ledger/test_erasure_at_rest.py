@@ -249,3 +249,17 @@ def test_postgres_keeps_dead_tuples_until_vacuum(pg_url: str, pg_admin: sa.Engin
     led.vacuum()
     assert not heap_holds()
     led.close()
+
+
+def test_sqlite_vacuum_keeps_the_ledger_and_the_files_clean(data_dir: Path, secret: bytes) -> None:
+    led = _open(data_dir)
+    led.create_session("s", "t")
+    keep = led.append("s", role="user", tool=None, content=b"still here", n_tokens=1)
+    seg = led.append("s", role="tool", tool="fetch", content=secret, n_tokens=1)
+    led.forget("s", [seg.id])
+    led.vacuum()
+    assert led.content.get(keep.content_sha256) == b"still here"
+    assert holding_files(data_dir, secret) == []
+    result = subprocess.run([sys.executable, "-m", "ledger", "vacuum", f"sqlite:///{data_dir / 'lethe.db'}"],
+                            capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT, check=True)
+    assert result.stdout.strip().splitlines()[-1] == b'{"vacuumed": "sqlite"}'
