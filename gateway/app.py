@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from audit import AuditLog, Signer
 from audit.api import make_router
 from gate import Gate, InjectionProbe
-from kvkernel import GenerationConfig, Kernel, Model, load_model
+from kvkernel import GenerationConfig, Kernel, Model, load_model, named_plan
 from ledger import Ledger
 from policies import PolicyEngine
 
@@ -111,11 +111,17 @@ def load_probe(settings: Settings, model: Model) -> InjectionProbe | None:
     return probe
 
 
+def kernel_for(settings: Settings, model: Model) -> Kernel:
+    """The kernel with its canonical plan: calibrated (cached under data_dir) or forced by name."""
+    plan = named_plan(settings.kernel_plan) if settings.kernel_plan else None
+    return Kernel(model, tile=settings.tile, plan=plan, plan_dir=settings.data_dir / "kernel-plans")
+
+
 def attach_model(state: AppState, model: Model) -> None:
     s = state.settings
     state.model = model
     state.gateway = Gateway(Components(
-        model=model, kernel=Kernel(model, tile=s.tile), ledger=state.ledger, audit=state.audit,
+        model=model, kernel=kernel_for(s, model), ledger=state.ledger, audit=state.audit,
         policy=state.policy, gate=state.gate, metrics=state.metrics, probe=load_probe(s, model),
         salt_secret=secret_file(s.resolved("salt_secret_path", "salt.key")), witness_mode=s.witness_mode,
         max_tool_result_bytes=s.max_tool_result_bytes, check_invariants=s.debug))

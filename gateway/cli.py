@@ -19,8 +19,9 @@ bench_app = typer.Typer(help="Benchmarks; readable by default, one JSON object w
 gate_app = typer.Typer(help="The byte-gate.", no_args_is_help=True)
 policy_app = typer.Typer(help="Rego policies.", no_args_is_help=True)
 audit_app = typer.Typer(help="The signed audit log.", no_args_is_help=True)
+kernel_app = typer.Typer(help="The exact KV kernel.", no_args_is_help=True)
 for sub, name in ((tenant_app, "tenant"), (key_app, "key"), (bench_app, "bench"), (gate_app, "gate"),
-                  (policy_app, "policy"), (audit_app, "audit")):
+                  (policy_app, "policy"), (audit_app, "audit"), (kernel_app, "kernel")):
     app.add_typer(sub, name=name)
 
 
@@ -114,17 +115,45 @@ def key_create(tenant: Annotated[Optional[str], typer.Option(help="the key's ten
     typer.echo(_tenants().create_key(tenant, user=user, roles=tuple(role or ()), admin=admin))
 
 
+# ---- the kernel -----------------------------------------------------------------------------
+
+PlanOption = Annotated[Optional[str], typer.Option(
+    "--plan", help="force a plan by name ('xeon', 'amd', 'fallback-m<M>'); default: LETHE_KERNEL_PLAN, else calibrate")]
+
+
+def _model_and_settings():  # type: ignore[no-untyped-def]
+    from kvkernel import load_model
+
+    s = _settings()
+    return s, load_model(s.model, cache_dir=s.resolved("model_cache_dir", "models"), device=s.device, dtype=s.dtype)
+
+
+@kernel_app.command("plan")
+def kernel_plan(plan: PlanOption = None, json_out: JsonFlag = False) -> None:
+    """The canonical plan for this machine and model: cached and re-verified, or calibrated now."""
+    from .app import kernel_for
+
+    s, model = _model_and_settings()
+    if plan:
+        s = s.model_copy(update={"kernel_plan": plan})
+    kernel = kernel_for(s, model)
+    _report({"model": model.name, **kernel.provenance(), **kernel.calibration.to_dict()}, json_out)
+    kernel.close()
+
+
 # ---- benchmarks -----------------------------------------------------------------------------
 
 @bench_app.command("kernel")
-def bench_kernel(context: int = 2000, span: int = 300, decode_tokens: int = 32, json_out: JsonFlag = False) -> None:
+def bench_kernel(context: int = 2000, span: int = 300, decode_tokens: int = 32, plan: PlanOption = None,
+                 json_out: JsonFlag = False) -> None:
     """Exact kernel vs plain transformers on the real model: prefill, decode, forget, amortize, witness."""
-    from kvkernel import load_model
+    from kvkernel import named_plan
     from kvkernel.bench import run_kernel_bench
 
-    s = _settings()
-    model = load_model(s.model, cache_dir=s.resolved("model_cache_dir", "models"), device=s.device, dtype=s.dtype)
-    _report(run_kernel_bench(model, context=context, span=span, decode_tokens=decode_tokens), json_out)
+    s, model = _model_and_settings()
+    forced = plan or s.kernel_plan
+    _report(run_kernel_bench(model, context=context, span=span, decode_tokens=decode_tokens,
+                             plan=named_plan(forced) if forced else None, plan_dir=s.data_dir / "kernel-plans"), json_out)
 
 
 @bench_app.command("gate")

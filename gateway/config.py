@@ -48,6 +48,8 @@ class Settings(BaseSettings):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     tile: int = 16
+    kernel_plan: str | None = Field(default=None, description="force a canonical plan by name (still verified at "
+                                    "start): 'xeon', 'amd', 'fallback-m<M>'; default: calibrate per machine")
     witness_mode: Literal["full", "deferred"] = "full"
     max_new_tokens: int = 256
 

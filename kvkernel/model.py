@@ -112,37 +112,24 @@ def load_model(
     )
 
 
-def tiny_random_model(seed: int = 0) -> Model:
-    """A 2-layer GQA Llama with random weights and a byte-level tokenizer, for fast tests.
+def tiny_random_model(seed: int = 0, arch: str = "llama") -> Model:
+    """A 2-layer GQA decoder with random weights and a byte-level tokenizer, for fast tests.
 
-    Weights are drawn with a larger spread than a trained model's so that logits are far from
-    uniform and greedy continuations are not dominated by ties.
+    ``arch`` is one the kernel claims to run: ``llama``, ``qwen2`` (q/k/v biases) or ``mistral``
+    (no sliding window, which the kernel refuses). Weights are drawn with a larger spread than a
+    trained model's so that logits are far from uniform and greedy continuations are not
+    dominated by ties.
     """
-    from transformers import LlamaConfig
-
     from kvkernel.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
-    config = LlamaConfig(
-        vocab_size=tok.vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
+    config = _tiny_config(arch, tok)
     gen = torch.Generator().manual_seed(seed)
     weights = {name: torch.randn(shape, generator=gen) * std for name, (shape, std) in _tiny_shapes(config).items()}
     for name in [n for n in weights if n.endswith("norm.weight")]:
         weights[name] = 1.0 + 0.1 * weights[name]
     return Model(
-        name=f"tiny-random-llama-{seed}",
+        name=f"tiny-random-{arch}-{seed}",
         config=config,
         tokenizer=tok,
         identity=_tensor_sha256(weights),
@@ -152,6 +139,21 @@ def tiny_random_model(seed: int = 0) -> Model:
         max_context=config.max_position_embeddings,
         weights=weights,
     )
+
+
+def _tiny_config(arch: str, tok: Any) -> Any:
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, rope_theta=10000.0,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    if arch == "llama":
+        return LlamaConfig(**common)
+    if arch == "qwen2":
+        return Qwen2Config(**common, use_sliding_window=False)
+    if arch == "mistral":
+        return MistralConfig(**common, sliding_window=None)
+    raise ModelError(f"no tiny random {arch!r} model; choose one of {sorted(_SUPPORTED_ARCHS)}")
 
 
 def _tiny_shapes(config: Any) -> dict[str, tuple[tuple[int, ...], float]]:
@@ -176,6 +178,9 @@ def _tiny_shapes(config: Any) -> dict[str, tuple[tuple[int, ...], float]]:
             p + "mlp.up_proj.weight": ((f, d), 0.15),
             p + "mlp.down_proj.weight": ((d, f), 0.1),
         }
+        if config.model_type == "qwen2":
+            shapes |= {p + "self_attn.q_proj.bias": ((d,), 0.5), p + "self_attn.k_proj.bias": ((kv,), 0.5),
+                       p + "self_attn.v_proj.bias": ((kv,), 0.5)}
     return shapes
 
 

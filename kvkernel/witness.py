@@ -30,25 +30,48 @@ def tokens_sha256(tokens: Sequence[int]) -> str:
 
 @cache
 def env_fingerprint() -> dict[str, Any]:
-    """The parts of the environment the kernel's bits depend on (measured), for witnesses."""
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
+    """The parts of the environment the kernel's bits depend on (measured), for witnesses and plans.
+
+    The CPU is identified by vendor, family, model, stepping and a hash of its flags (the same
+    "AMD EPYC" name covers parts with different vector units); the torch build by version, git
+    hash and a hash of its build configuration (which names the BLAS/MKL version).
+    """
+    build = torch.__config__.show()
     info: dict[str, Any] = {
         "torch": torch.__version__,
+        "torch_git": torch.version.git_version,
+        "torch_build_sha256": hashlib.sha256(build.encode()).hexdigest(),
+        "blas": next((line.strip(" -") for line in build.splitlines() if "Math Kernel Library" in line or "OpenBLAS" in line), None),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "mkl": torch.backends.mkl.is_available(),
         "threads": torch.get_num_threads(),
-        "cpu": cpu,
+        **_cpu(),
         "cuda": torch.version.cuda if torch.cuda.is_available() else None,
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "env": {k: os.environ[k] for k in _ENV_KNOBS if k in os.environ},
     }
     info["sha256"] = hashlib.sha256(repr(sorted(info.items())).encode()).hexdigest()
     return info
+
+
+def _cpu() -> dict[str, Any]:
+    """CPU identity from /proc/cpuinfo (first processor), falling back to ``platform``."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        pass
+    flags = fields.get("flags", "")
+    return {
+        "cpu": fields.get("model name") or platform.processor(),
+        "cpu_id": "/".join(fields.get(k, "?") for k in ("vendor_id", "cpu family", "model", "stepping")),
+        "cpu_flags_sha256": hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest() if flags else None,
+    }
 
 
 @dataclass(kw_only=True)
@@ -60,6 +83,7 @@ class Provenance:
     dtype: str
     kernel_version: str
     tile: int
+    plan_sha256: str
     env: dict[str, Any] = field(default_factory=env_fingerprint)
 
 
