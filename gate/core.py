@@ -53,6 +53,11 @@ class Gate:
         findings = _encoding_findings(doc)
         view = detection_view(doc)  # normalised text for detection; findings keep raw offsets
         secrets = self.secrets.scan(doc.clean)
+        if view.changed:  # a token split by zero-width characters or spelled in fullwidth is still one
+            seen = {(f.rule_id, f.byte_start, f.byte_end) for f in secrets}
+            moved = (replace(f, byte_start=view.raw_offset(f.byte_start), byte_end=view.raw_offset(f.byte_end))
+                     for f in self.secrets.scan(view.clean))
+            secrets += [f for f in moved if (f.rule_id, f.byte_start, f.byte_end) not in seen]
         spans = [(f.byte_start, f.byte_end) for f in secrets]
         findings += secrets
         findings += self.heuristics.scan(doc, view, lambda b0, b1: _excerpt(doc, b0, b1, spans))

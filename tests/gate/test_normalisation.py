@@ -95,3 +95,16 @@ def test_view_maps_every_byte_back_to_a_raw_character_boundary(text: str, junk: 
         src = doc.text[int(np.searchsorted(doc.char_to_byte, view.char_to_byte[i]))]
         assert ch in unicodedata.normalize("NFKC", src) or HOMOGLYPHS.get(src) == ch or \
             any(HOMOGLYPHS.get(c) == ch for c in unicodedata.normalize("NFKC", src))
+
+
+def test_secret_split_by_invisible_characters_is_still_a_secret(gate: Gate) -> None:
+    from gate.secrets import load_rules
+
+    (rule,) = [r for r in load_rules()[0] if r.id == "github-token"]
+    example = rule.examples[0].encode()
+    (found,) = [f for f in gate.scan(example).findings if f.rule_id == rule.id]
+    token = example[found.byte_start : found.byte_end].decode()
+    hidden = token[:10] + "\u200b" + token[10:20] + "\u00ad" + token[20:]
+    raw = f"config: {hidden} end".encode()
+    (secret,) = [f for f in gate.scan(raw).findings if f.kind == "secret"]
+    assert raw[secret.byte_start : secret.byte_end] == hidden.encode()
