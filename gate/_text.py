@@ -14,9 +14,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-_ESCAPES = {cp: "\ufffd" for cp in range(0xDC80, 0xDD00)}
-
-
 @dataclass(frozen=True)
 class Decoded:
     """The views of one tool result that the layers scan."""
@@ -30,6 +27,14 @@ class Decoded:
     def byte_offset(self, char_index: int) -> int:
         """Byte offset in ``raw`` of the character at ``char_index`` (len(text) maps to len(raw))."""
         return int(self.char_to_byte[char_index])
+
+    @functools.cached_property
+    def cps(self) -> np.ndarray:
+        """``text`` as code points, with each invalid byte as "?" (as in ``clean``); computed once."""
+        cps = codepoints(self.text).copy()
+        if len(self.invalid):
+            cps[(cps == 0xFFFD) & (np.diff(self.char_to_byte) == 1)] = 0x3F
+        return cps
 
 
 def codepoints(text: str) -> np.ndarray:
@@ -61,7 +66,8 @@ def decode(data: bytes) -> Decoded:
     positions = starts[:-1][bad]
     buf = np.frombuffer(data, dtype=np.uint8).copy()
     buf[positions] = 0x3F
-    return Decoded(data, buf.tobytes(), escaped.translate(_ESCAPES), _runs(positions), starts)
+    text = np.where(bad, np.uint32(0xFFFD), cps).astype("<u4").tobytes().decode("utf-32-le")
+    return Decoded(data, buf.tobytes(), text, _runs(positions), starts)
 
 
 # --------------------------------------------------------------------------- detection view
@@ -177,10 +183,10 @@ def _expand(cps: np.ndarray, table: dict[int, str]) -> tuple[np.ndarray, np.ndar
 
 def detection_view(doc: Decoded) -> View:
     """The normalised text the injection layers scan, with maps back to ``doc.raw`` (linear time)."""
-    text = doc.text
-    if text.isascii():
-        return View(doc.clean, text, doc.char_to_byte, np.arange(len(doc.clean) + 1, dtype=np.int64))
-    cps = codepoints(text)
+    identity = View(doc.clean, doc.text, doc.char_to_byte, np.arange(len(doc.clean) + 1, dtype=np.int64))
+    if doc.text.isascii():
+        return identity
+    cps = doc.cps  # invalid bytes as "?": one byte each in the view too
     table = _replacements(np.unique(cps))
     if table:
         cps, source = _expand(cps, table)
@@ -188,8 +194,9 @@ def detection_view(doc: Decoded) -> View:
     else:
         char_to_byte = doc.char_to_byte
     folded = _fold_homoglyphs(cps)
-    if table or folded is not cps:
-        text = folded.astype("<u4").tobytes().decode("utf-32-le", "surrogatepass")
+    if not table and folded is cps:
+        return identity
+    text = folded.astype("<u4").tobytes().decode("utf-32-le", "surrogatepass")
     clean = text.encode("utf-8", "surrogatepass")
     byte_to_raw = np.append(np.repeat(char_to_byte[:-1], _utf8_lengths(folded)), char_to_byte[-1])
-    return View(clean, text, char_to_byte, byte_to_raw, changed=clean != doc.clean)
+    return View(clean, text, char_to_byte, byte_to_raw, changed=True)

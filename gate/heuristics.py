@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._text import Decoded, View, codepoints, decode, detection_view, word_chars
+from ._text import Decoded, View, decode, detection_view, word_chars
 from .engine import MultiMatcher, Pattern, SpanMatcher
 from .errors import GateError
 from .findings import Finding
@@ -149,7 +149,7 @@ class HeuristicScanner:
             yield Finding("injection", rule.id, "heuristic", b0, b1, rule.score, f"hidden ASCII: {hidden!r}{more}")
 
     def _hidden_zero_width(self, doc: Decoded, rule: InjectionRule, excerpt: Excerpt) -> Iterator[Finding]:
-        cps = codepoints(doc.text)
+        cps = doc.cps
         hits = np.flatnonzero(((cps >= 0x200B) & (cps <= 0x200D)) | ((cps >= 0x2060) & (cps <= 0x2064)))
         if hits.size == 0:
             return
@@ -166,7 +166,7 @@ class HeuristicScanner:
         yield Finding("injection", rule.id, "heuristic", b0, b1, score, f"{hits.size} zero-width chars: {excerpt(b0, b1)}")
 
     def _hidden_bidi(self, doc: Decoded, rule: InjectionRule, excerpt: Excerpt) -> Iterator[Finding]:
-        cps = codepoints(doc.text)
+        cps = doc.cps
         hits = np.flatnonzero(((cps >= 0x202A) & (cps <= 0x202E)) | ((cps >= 0x2066) & (cps <= 0x2069)))
         if hits.size:
             b0, b1 = doc.byte_offset(int(hits[0])), doc.byte_offset(int(hits[-1]) + 1)
