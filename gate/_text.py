@@ -8,12 +8,11 @@ by U+FFFD in ``text`` (one character per invalid byte, so the char→byte map st
 
 from __future__ import annotations
 
+import functools
+import unicodedata
 from dataclasses import dataclass, field
 
 import numpy as np
-
-_ESCAPES = {cp: "\ufffd" for cp in range(0xDC80, 0xDD00)}
-
 
 @dataclass(frozen=True)
 class Decoded:
@@ -22,15 +21,23 @@ class Decoded:
     raw: bytes
     clean: bytes  # same length as raw, valid UTF-8
     text: str
-    invalid: tuple[tuple[int, int], ...]  # byte ranges [start, end) of invalid UTF-8 runs
+    invalid: np.ndarray = field(repr=False)  # int64 [k, 2]: byte ranges [start, end) of invalid UTF-8 runs
     char_to_byte: np.ndarray = field(repr=False)  # len(text) + 1 entries
 
     def byte_offset(self, char_index: int) -> int:
         """Byte offset in ``raw`` of the character at ``char_index`` (len(text) maps to len(raw))."""
         return int(self.char_to_byte[char_index])
 
+    @functools.cached_property
+    def cps(self) -> np.ndarray:
+        """``text`` as code points, with each invalid byte as "?" (as in ``clean``); computed once."""
+        cps = codepoints(self.text).copy()
+        if len(self.invalid):
+            cps[(cps == 0xFFFD) & (np.diff(self.char_to_byte) == 1)] = 0x3F
+        return cps
 
-def _codepoints(text: str) -> np.ndarray:
+
+def codepoints(text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
 
 
@@ -40,24 +47,156 @@ def _utf8_lengths(cps: np.ndarray) -> np.ndarray:
     return lengths
 
 
-def _runs(positions: np.ndarray) -> tuple[tuple[int, int], ...]:
-    if positions.size == 0:
-        return ()
+def _runs(positions: np.ndarray) -> np.ndarray:
     breaks = np.flatnonzero(np.diff(positions) != 1) + 1
-    groups = np.split(positions, breaks)
-    return tuple((int(g[0]), int(g[-1]) + 1) for g in groups)
+    starts = positions[np.concatenate(([0], breaks))]
+    ends = positions[np.concatenate((breaks - 1, [positions.size - 1]))] + 1
+    return np.stack([starts, ends], axis=1)
 
 
 def decode(data: bytes) -> Decoded:
     """Decode ``data`` without ever raising; see the module docstring for the offset contract."""
     escaped = data.decode("utf-8", "surrogateescape")
-    cps = _codepoints(escaped)
+    cps = codepoints(escaped)
     starts = np.zeros(len(escaped) + 1, dtype=np.int64)
     np.cumsum(_utf8_lengths(cps), out=starts[1:])
     bad = (cps >= 0xDC80) & (cps <= 0xDCFF)
     if not bad.any():
-        return Decoded(data, data, escaped, (), starts)
+        return Decoded(data, data, escaped, np.zeros((0, 2), dtype=np.int64), starts)
     positions = starts[:-1][bad]
     buf = np.frombuffer(data, dtype=np.uint8).copy()
     buf[positions] = 0x3F
-    return Decoded(data, buf.tobytes(), escaped.translate(_ESCAPES), _runs(positions), starts)
+    text = np.where(bad, np.uint32(0xFFFD), cps).astype("<u4").tobytes().decode("utf-32-le")
+    return Decoded(data, buf.tobytes(), text, _runs(positions), starts)
+
+
+# --------------------------------------------------------------------------- detection view
+#
+# What the injection layers read: NFKC (per code point: fullwidth, ligatures, compatibility
+# forms), with default-ignorable and format characters removed (soft hyphen, zero-width, bidi
+# embeddings/overrides/isolates, variation selectors, the tag block, ...) and, inside words that
+# already contain a Latin letter, Cyrillic/Greek homoglyphs folded to the Latin letter they
+# imitate. Words without a Latin letter stay as they are, so the multilingual rules still read
+# Russian ("все" is all look-alikes but Russian); a word spelled only in look-alikes is not folded. Every character of the view keeps the byte offset in
+# ``raw`` of the character it came from: findings on the view report original offsets.
+
+# Default_Ignorable_Code_Point (Unicode DerivedCoreProperties) plus every other format (Cf)
+# character, computed per distinct code point below.
+_IGNORABLE_RANGES = (
+    (0x00AD, 0x00AD), (0x034F, 0x034F), (0x061C, 0x061C), (0x115F, 0x1160), (0x17B4, 0x17B5),
+    (0x180B, 0x180F), (0x200B, 0x200F), (0x202A, 0x202E), (0x2060, 0x206F), (0x3164, 0x3164),
+    (0xFE00, 0xFE0F), (0xFEFF, 0xFEFF), (0xFFA0, 0xFFA0), (0x1BCA0, 0x1BCA3), (0x1D173, 0x1D17A),
+    (0xE0000, 0xE0FFF),
+)
+
+# Cyrillic and Greek letters that render like a Latin letter in common fonts (lower and upper).
+HOMOGLYPHS = {
+    **dict(zip("аВсдеЕһіІјЈКкМНоОрРсСТуХхЅѕԁԛԝӏАЬ", "aBcdeEhiIjJKkMHoOpPcCTyXxSsdqwlAb")),
+    **dict(zip("ΑΒΕΖΗΙΚΜΝΟΡΤΥΧοαικνρτυχ", "ABEZHIKMNOPTYXoaikvptux")),
+}
+_FOLD = np.zeros(max(map(ord, HOMOGLYPHS)) + 1, dtype=np.uint32)  # code point -> Latin (0: none)
+_FOLD[[ord(c) for c in HOMOGLYPHS]] = [ord(c) for c in HOMOGLYPHS.values()]
+
+
+@dataclass(frozen=True)
+class View:
+    """The detection view of one tool result (see above): scan ``clean``/``text``, report via the maps."""
+
+    clean: bytes  # ``text`` as UTF-8
+    text: str
+    char_to_byte: np.ndarray = field(repr=False)  # view char index -> byte offset in raw (len(text)+1)
+    byte_to_raw: np.ndarray = field(repr=False)  # view byte offset -> byte offset in raw (len(clean)+1)
+    changed: bool = False  # False: the view is the decoded text itself
+
+    def byte_offset(self, char_index: int) -> int:
+        return int(self.char_to_byte[char_index])
+
+    def raw_offset(self, view_byte: int) -> int:
+        return int(self.byte_to_raw[view_byte])
+
+
+_IGNORE, _ALPHA, _NFKC_CHANGES = 1, 2, 4
+
+
+@functools.cache
+def unicode_tables() -> np.ndarray:
+    """One flag byte per code point (ignorable, alphabetic, changed by NFKC): built once (~0.3 s),
+    so that the view costs numpy lookups per character and Python work only per distinct change."""
+    flags = np.zeros(0x110000, dtype=np.uint8)
+    for cp in range(0x80, 0x110000):
+        if 0xD800 <= cp <= 0xDFFF:
+            continue
+        ch = chr(cp)
+        flags[cp] = ((_IGNORE if unicodedata.category(ch) == "Cf" else 0) | (_ALPHA if ch.isalpha() else 0)
+                     | (0 if unicodedata.is_normalized("NFKC", ch) else _NFKC_CHANGES))
+    for lo, hi in _IGNORABLE_RANGES:
+        flags[lo : hi + 1] |= _IGNORE
+    return flags
+
+
+def word_chars(cps: np.ndarray) -> np.ndarray:
+    """Per code point: letter, digit or underscore (``str.isalnum`` plus "_", vectorised)."""
+    ascii_word = ((cps | 0x20) >= 0x61) & ((cps | 0x20) <= 0x7A) | ((cps >= 0x30) & (cps <= 0x39)) | (cps == 0x5F)
+    return ascii_word | ((unicode_tables()[cps] & _ALPHA) != 0)
+
+
+def _replacements(unique: np.ndarray) -> dict[int, str]:
+    """NFKC image of each distinct code point that changes ('' for ignorables), ignorables removed."""
+    flags = unicode_tables()
+    out: dict[int, str] = {}
+    for cp in unique[(flags[unique] & (_IGNORE | _NFKC_CHANGES)) != 0].tolist():
+        nf = "" if flags[cp] & _IGNORE else unicodedata.normalize("NFKC", chr(cp))
+        out[cp] = "".join(c for c in nf if not flags[ord(c)] & _IGNORE)
+    return out
+
+
+def _fold_homoglyphs(cps: np.ndarray) -> np.ndarray:
+    """Fold look-alikes in words that also contain a Latin letter."""
+    target = _FOLD[np.minimum(cps, _FOLD.size - 1)] * (cps < _FOLD.size)
+    conf = target != 0
+    if not conf.any():
+        return cps
+    latin = ((cps | 0x20) >= 0x61) & ((cps | 0x20) <= 0x7A)
+    word_id = np.cumsum(~(word_chars(cps) | conf))
+    fold = conf & (np.bincount(word_id, weights=latin) > 0)[word_id]
+    out = cps.copy()
+    out[fold] = target[fold]
+    return out
+
+
+def _expand(cps: np.ndarray, table: dict[int, str]) -> tuple[np.ndarray, np.ndarray]:
+    """Apply a code point -> string table with numpy gathers: (new code points, source index of each)."""
+    keys = np.array(sorted(table), dtype=np.uint32)
+    images = [codepoints(table[k]) for k in keys.tolist()]
+    sizes = np.array([im.size for im in images], dtype=np.int64)
+    flat = np.concatenate(images + [np.zeros(1, dtype=np.uint32)])
+    first = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    pos = np.minimum(np.searchsorted(keys, cps), keys.size - 1)
+    hit = keys[pos] == cps
+    lengths = np.where(hit, sizes[pos], 1)
+    source = np.repeat(np.arange(cps.size), lengths)
+    starts = np.cumsum(lengths) - lengths
+    within = np.arange(source.size) - starts[source]
+    out = np.where(hit[source], flat[np.where(hit[source], first[pos[source]] + within, flat.size - 1)], cps[source])
+    return out.astype(np.uint32), source
+
+
+def detection_view(doc: Decoded) -> View:
+    """The normalised text the injection layers scan, with maps back to ``doc.raw`` (linear time)."""
+    identity = View(doc.clean, doc.text, doc.char_to_byte, np.arange(len(doc.clean) + 1, dtype=np.int64))
+    if doc.text.isascii():
+        return identity
+    cps = doc.cps  # invalid bytes as "?": one byte each in the view too
+    table = _replacements(np.unique(cps))
+    if table:
+        cps, source = _expand(cps, table)
+        char_to_byte = np.append(doc.char_to_byte[:-1][source], doc.char_to_byte[-1])
+    else:
+        char_to_byte = doc.char_to_byte
+    folded = _fold_homoglyphs(cps)
+    if not table and folded is cps:
+        return identity
+    text = folded.astype("<u4").tobytes().decode("utf-32-le", "surrogatepass")
+    clean = text.encode("utf-8", "surrogatepass")
+    byte_to_raw = np.append(np.repeat(char_to_byte[:-1], _utf8_lengths(folded)), char_to_byte[-1])
+    return View(clean, text, char_to_byte, byte_to_raw, changed=True)

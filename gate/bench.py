@@ -11,10 +11,14 @@ logs, READMEs, tables), concatenated to ``megabytes`` MB. Measured on one thread
   * secret recall per format on generated credentials in carriers and false positives per 10 MB
     of real installed-package text (``gate.evaluate.evaluate_secrets``);
   * the byte gate on the held-out-by-kind injection set (``gate.train.kind_eval``).
+
+``python -m gate.bench bound``: the time bound (``run_bound_bench``), crafted worst cases from
+32 KB to the 256 KB tool-result limit.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import sys
@@ -26,6 +30,7 @@ import numpy as np
 from .core import Gate
 from .probe import InjectionProbe
 from .train import synth
+from .worst import TOOL_RESULT_LIMIT, WORST_CASES, every_rule_tail, with_tail
 
 _TOKEN = re.compile(rb"\w+|[^\w\s]")
 
@@ -137,7 +142,49 @@ def _probe_readout_tokens_s(tokens: int = 4096) -> float:
     return tokens / _best_of(lambda: probe.score(hidden), repeats=5)
 
 
+def scan_seconds(gate: Gate, data: bytes, repeats: int = 3) -> float:
+    """Best-of CPU seconds of one ``Gate.scan`` on this thread (CPU, not wall: less hurt by load)."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.thread_time()
+        gate.scan(data)
+        best = min(best, time.thread_time() - t0)
+    return best
+
+
+def run_bound_bench(*, sizes: tuple[int, ...] = (32 << 10, 64 << 10, 128 << 10, TOOL_RESULT_LIMIT),
+                    budget_ms: float = 100.0, progress: bool = True) -> dict:
+    """The gate's time bound: every crafted worst case (gate.worst), each followed by one example of
+    every rule so every confirmation runs, scanned at each size on one thread."""
+    say = partial(print, file=sys.stderr) if progress else (lambda *a, **k: None)
+    gate = Gate()
+    tail = every_rule_tail()
+    families = {}
+    for name, build in WORST_CASES.items():
+        ms = {n: round(scan_seconds(gate, with_tail(build, tail)(n)) * 1e3, 2) for n in sizes}
+        families[name] = {"ms": {str(n): v for n, v in ms.items()},
+                          "ratio_max_to_min_size": round(ms[sizes[-1]] / max(ms[sizes[0]], 1e-3), 2)}
+        say(f"{name}: {ms}")
+    worst = max(families, key=lambda k: families[k]["ms"][str(sizes[-1])])
+    benign_ms = round(scan_seconds(gate, benign_corpus(1)[: sizes[-1]]) * 1e3, 2)
+    return {
+        "benign_ms_at_limit": benign_ms,
+        "worst_over_benign": round(families[worst]["ms"][str(sizes[-1])] / benign_ms, 2),
+        "sizes": list(sizes),
+        "size_ratio": sizes[-1] / sizes[0],
+        "budget_ms_at_limit": budget_ms,
+        "over_budget": sorted(k for k, v in families.items() if v["ms"][str(sizes[-1])] > budget_ms),
+        "worst_family": worst,
+        "worst_ms_at_limit": families[worst]["ms"][str(sizes[-1])],
+        "max_ratio": max(v["ratio_max_to_min_size"] for v in families.values()),
+        "clock": "thread CPU time, best of 3, one thread (inflated on a loaded host: compare with benign_ms_at_limit)",
+        "load_average_1m": os.getloadavg()[0],
+        "cpus": os.cpu_count(),
+        "families": families,
+    }
+
+
 if __name__ == "__main__":
     import json
 
-    print(json.dumps(run_gate_bench(), indent=2))
+    print(json.dumps(run_bound_bench() if sys.argv[1:] == ["bound"] else run_gate_bench(), indent=2))

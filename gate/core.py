@@ -5,14 +5,16 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
 import structlog
 
-from ._text import Decoded, decode
+from ._text import Decoded, decode, detection_view, unicode_tables
 from .findings import Finding, GateReport
 from .heuristics import HeuristicScanner, load_injection_rules
+from .joined import JOIN_WINDOW, scan_joined
 from .learned import WEIGHTS_PATH, NgramScorer
 from .errors import GateError
 from .secrets import Allowlist, SecretRule, SecretScanner, load_gitleaks, load_rules
@@ -40,6 +42,7 @@ class Gate:
                 raise GateError(f"{WEIGHTS_PATH} missing; run `python -m gate.train.train_injection` or pass learned=False")
             scorer = NgramScorer.load(WEIGHTS_PATH)
         self.heuristics = HeuristicScanner(load_injection_rules(), scorer)
+        unicode_tables()  # built once here (~0.3 s), not on the first request
 
     def scan(self, data: bytes, *, content_type: str | None = None, tool: str | None = None) -> GateReport:
         """Never raises on input: any bytes (str is encoded as UTF-8) give a report."""
@@ -48,10 +51,16 @@ class Gate:
             data = data.encode("utf-8", "surrogatepass")
         doc = decode(bytes(data))
         findings = _encoding_findings(doc)
+        view = detection_view(doc)  # normalised text for detection; findings keep raw offsets
         secrets = self.secrets.scan(doc.clean)
+        if view.changed:  # a token split by zero-width characters or spelled in fullwidth is still one
+            seen = {(f.rule_id, f.byte_start, f.byte_end) for f in secrets}
+            moved = (replace(f, byte_start=view.raw_offset(f.byte_start), byte_end=view.raw_offset(f.byte_end))
+                     for f in self.secrets.scan(view.clean))
+            secrets += [f for f in moved if (f.rule_id, f.byte_start, f.byte_end) not in seen]
         spans = [(f.byte_start, f.byte_end) for f in secrets]
         findings += secrets
-        findings += self.heuristics.scan(doc, lambda b0, b1: _excerpt(doc, b0, b1, spans))
+        findings += self.heuristics.scan(doc, view, lambda b0, b1: _excerpt(doc, b0, b1, spans))
         findings.sort(key=lambda f: (f.byte_start, f.byte_end, f.rule_id))
         report = GateReport(
             injection=_noisy_or(f for f in findings if f.kind == "injection"),
@@ -61,6 +70,11 @@ class Gate:
             elapsed_us=(time.perf_counter_ns() - t0) // 1000,
         )
         return report
+
+
+    def scan_joined(self, parts: Sequence[bytes], *, window: int = JOIN_WINDOW) -> tuple[GateReport, ...]:
+        """Adjacent untrusted parts scored alone and joined (see gate/joined.py for the window)."""
+        return scan_joined(self, parts, window=window)
 
 
 def _with_global_allowlist(rule: SecretRule, allow: Allowlist) -> SecretRule:
@@ -83,10 +97,12 @@ def _noisy_or(findings) -> float:
 
 def _encoding_findings(doc: Decoded) -> list[Finding]:
     runs = doc.invalid
-    out = [Finding("encoding", "invalid-utf8", "rules", s, e, 1.0, f"{e - s} invalid byte(s) replaced") for s, e in runs[:MAX_ENCODING_FINDINGS]]
+    out = [Finding("encoding", "invalid-utf8", "rules", s, e, 1.0, f"{e - s} invalid byte(s) replaced")
+           for s, e in runs[:MAX_ENCODING_FINDINGS].tolist()]
     if len(runs) > MAX_ENCODING_FINDINGS:
-        s, e = runs[MAX_ENCODING_FINDINGS][0], runs[-1][1]
-        out.append(Finding("encoding", "invalid-utf8", "rules", s, e, 1.0, f"{len(runs) - MAX_ENCODING_FINDINGS} more invalid runs"))
+        s, e = int(runs[MAX_ENCODING_FINDINGS, 0]), int(runs[-1, 1])
+        more = len(doc.invalid) - MAX_ENCODING_FINDINGS
+        out.append(Finding("encoding", "invalid-utf8", "rules", s, e, 1.0, f"{more} more invalid runs"))
     return out
 
 

@@ -152,3 +152,79 @@ def _merge(spans) -> list[tuple[int, int]]:
         else:
             merged.append([lo, hi])
     return [(lo, hi) for lo, hi in merged]
+
+
+class SpanMatcher:
+    """Match positions with a hard bound on work: one Hyperscan database per pattern, scanned only
+    for patterns a screen flagged, stopped after ``limit`` reports.
+
+    Hyperscan runs in time linear in the data whatever the pattern, so a crafted input costs at
+    most ``len(data)`` automaton steps plus ``limit`` Python callbacks per flagged pattern; no
+    backtracking engine runs over the data. Patterns compile in start-of-match mode where
+    Hyperscan can (``has_start``): reports are then exact (start, end) spans; otherwise reports
+    carry the end only and the caller confirms in a bounded window before it.
+    """
+
+    def __init__(self, patterns: list[Pattern], *, limit: int = 64) -> None:
+        self.limit = limit
+        self._dbs = {}
+        self.has_start: dict[int, bool] = {}
+        for p in patterns if HAVE_HYPERSCAN else ():
+            base = MultiMatcher._flags(p) & ~hyperscan.HS_FLAG_SINGLEMATCH
+            for flags, som in ((base | hyperscan.HS_FLAG_SOM_LEFTMOST, True), (base, False)):
+                try:
+                    self._dbs[p.ident] = MultiMatcher._try_compile([p], [flags])
+                except hyperscan.error:
+                    continue
+                self.has_start[p.ident] = som
+                break
+        self._python = {p.ident: compile_python(p) for p in patterns}
+        self._local = threading.local()
+
+    def _scratch(self, ident: int):
+        scratches = self._local.__dict__.setdefault("scratch", {})
+        if ident not in scratches:
+            scratches[ident] = hyperscan.Scratch(self._dbs[ident])
+        return scratches[ident]
+
+    def reports(self, ident: int, data: bytes) -> list[tuple[int, int]]:
+        """The first ``limit`` (start, end) reports of pattern ``ident`` in end order; start is -1
+        when the pattern has no start-of-match mode."""
+        if ident not in self._dbs:  # no Hyperscan: ``re`` (not time-bounded; see gate/README.md)
+            return self._python_spans(ident, data)
+        hits: list[tuple[int, int]] = []
+
+        def on_match(_id: int, start: int, end: int, _flags: int, _ctx: object) -> bool:
+            hits.append((start if self.has_start[ident] else -1, end))
+            return len(hits) >= self.limit
+
+        try:
+            self._dbs[ident].scan(data, match_event_handler=on_match, scratch=self._scratch(ident))
+        except hyperscan.ScanTerminated:
+            pass
+        return hits
+
+    def spans(self, ident: int, data: bytes) -> list[tuple[int, int]]:
+        """Non-overlapping (start, end) spans of a start-of-match pattern (longest per start, merged)."""
+        return _merge_spans(self.reports(ident, data))
+
+    def _python_spans(self, ident: int, data: bytes) -> list[tuple[int, int]]:
+        rx = self._python[ident]
+        if isinstance(rx.pattern, bytes):
+            return [m.span() for _, m in zip(range(self.limit), rx.finditer(data))]
+        text = data.decode("utf-8", "replace")
+        nbytes = lambda i: len(text[:i].encode("utf-8"))  # noqa: E731 - at most `limit` calls
+        return [(nbytes(m.start()), nbytes(m.end())) for _, m in zip(range(self.limit), rx.finditer(text))]
+
+
+def _merge_spans(hits: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    longest: dict[int, int] = {}
+    for start, end in hits:
+        longest[start] = max(end, longest.get(start, end))
+    out: list[tuple[int, int]] = []
+    for start in sorted(longest):
+        if out and start < out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], longest[start]))
+        else:
+            out.append((start, longest[start]))
+    return out

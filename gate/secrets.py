@@ -12,17 +12,18 @@ import binascii
 import json
 import math
 import re
+import re._parser as sre_parse
 import string
 import tomllib
 import zlib
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
 
-from .engine import MultiMatcher, Pattern
+from .engine import MultiMatcher, Pattern, SpanMatcher
 from .errors import GateError
 from .findings import Finding
 
@@ -248,6 +249,29 @@ def _compile_problem(rule: SecretRule) -> str | None:
     return MultiMatcher.hyperscan_error(pattern)
 
 
+WINDOW_REPORTS = 1024  # Hyperscan end reports per rule before confirmation falls back to the whole text
+MAX_WINDOW = 4096  # widest rule confirmed in windows; wider (or unbounded) rules read the whole text
+
+
+def _max_width(pattern: Pattern) -> int | None:
+    """Longest match of the pattern in bytes (None if unbounded or over MAX_WINDOW)."""
+    try:
+        widest = sre_parse.parse(pattern.regex.encode("utf-8")).getwidth()[1]
+    except re.error:
+        return None
+    return widest if widest <= MAX_WINDOW else None
+
+
+def _merge_windows(windows: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(windows):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
 class SecretScanner:
     """All secret rules compiled into one matcher."""
 
@@ -256,13 +280,45 @@ class SecretScanner:
         self.allowlist = allowlist
         patterns = [Pattern(i, r.regex, caseless=r.caseless, window=r.window) for i, r in enumerate(self.rules)]
         self.matcher = MultiMatcher(patterns)
+        self._ends = SpanMatcher(patterns, limit=WINDOW_REPORTS)
+        self._width = {p.ident: _max_width(p) or (p.window or None) for p in patterns}
+
+    def _matches(self, data: bytes) -> Iterator[tuple[int, re.Match[bytes]]]:
+        """Every ``re`` match of every flagged rule. A rule of bounded width W is confirmed only in
+        the windows [end - W, end] before the ends Hyperscan reports (at most WINDOW_REPORTS of
+        them, else the whole text); unbounded rules read the whole text, which their regexes keep
+        linear (each scan stops at a delimiter or the next start)."""
+        for ident in self.matcher.triggered(data):
+            rx, width = self.matcher._python[ident], self._width[ident]
+            ends = self._ends.reports(ident, data) if width is not None else []
+            if width is None or not ends or len(ends) >= WINDOW_REPORTS:
+                yield from ((ident, m) for m in rx.finditer(data))
+                continue
+            seen: set[tuple[int, int]] = set()
+            for lo, hi in _merge_windows((max(0, e - width), e) for _, e in ends):
+                for m in rx.finditer(data, lo, hi):
+                    if m.span() not in seen:
+                        seen.add(m.span())
+                        yield ident, m
 
     def scan(self, data: bytes) -> list[Finding]:
-        confirmed = (self._confirm(self.rules[ident], m) for ident, m in self.matcher.scan(data))
-        return [f for f in confirmed if f is not None]
+        """Confirm every match of every flagged rule. A match text seen before in this scan reuses
+        its verdict, so 4 000 copies of one token cost one confirmation, not 4 000."""
+        verdicts: dict[tuple[int, bytes], tuple[str, float] | None] = {}
+        out = []
+        for ident, found in self._matches(data):
+            rule = self.rules[ident]
+            group = rule.secret_group if rule.secret_group <= (found.re.groups or 0) else 0
+            key = (ident, found.group(0))
+            if key not in verdicts:
+                verdicts[key] = self._confirm(rule, found, group)
+            if verdicts[key] is not None:
+                s, e = found.span(group)
+                out.append(Finding("secret", rule.id, "rules", s, e, rule.score, verdicts[key]))
+        return out
 
-    def _confirm(self, rule: SecretRule, found: re.Match[bytes]) -> Finding | None:
-        group = rule.secret_group if rule.secret_group <= (found.re.groups or 0) else 0
+    def _confirm(self, rule: SecretRule, found: re.Match[bytes], group: int) -> str | None:
+        """The masked secret if this match is a credential, else None."""
         if found.group(group) is None:
             return None
         secret = found.group(group).decode("utf-8", "replace")
@@ -274,5 +330,4 @@ class SecretScanner:
             return None
         if (rule.global_allowlist and self.allowlist.allows(secret)) or rule.allowlist.allows(secret):
             return None
-        s, e = found.span(group)
-        return Finding("secret", rule.id, "rules", s, e, rule.score, mask(secret))
+        return mask(secret)

@@ -6,7 +6,7 @@ PostgreSQL), content stored content-addressed so that a forget also erases store
 """
 from .content import ContentStore
 from .crossings import Crossing, CrossingLog
-from .errors import LedgerError, LedgerInvariantError, UnknownSegment, UnknownSession
+from .errors import ErasureIncomplete, LedgerError, LedgerInvariantError, UnknownSegment, UnknownSession
 from .ledger import Ledger
 from .records import Segment, SegmentState, SessionRecord
 
@@ -14,6 +14,7 @@ __all__ = [
     "ContentStore",
     "Crossing",
     "CrossingLog",
+    "ErasureIncomplete",
     "Ledger",
     "LedgerError",
     "LedgerInvariantError",

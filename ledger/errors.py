@@ -16,3 +16,12 @@ class UnknownSegment(LedgerError):
 
 class LedgerInvariantError(LedgerError):
     """The segments no longer tile the cache; raised inside the transaction, so the write rolls back."""
+
+
+class ErasureIncomplete(LedgerError):
+    """The ledger erased the rows but cannot vouch that no copy of the content remains at rest
+    (a blob still stored with no holder, or the SQLite WAL could not be checkpointed and truncated).
+
+    The ledger state change stands (failing toward erasure); the caller must not report success.
+    ``Ledger.scrub()`` retries the at-rest part once the obstacle (a long-running reader) is gone.
+    """

@@ -9,20 +9,21 @@ from __future__ import annotations
 
 import secrets
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import datetime, timezone
 from typing import Any
 
 import structlog
-from sqlalchemy import Connection, Row, bindparam, exc, insert, select, update
+from sqlalchemy import Connection, Row, bindparam, exc, insert, or_, select, update
 
 from .content import ContentStore, sha256_hex
 from .crossings import CrossingLog
-from .errors import LedgerError, UnknownSegment, UnknownSession
+from .errors import ErasureIncomplete, LedgerError, UnknownSegment, UnknownSession
 from .invariants import verify_tiling
 from .records import CONTENT_RETIRED, IN_CACHE, Segment, SegmentState, SessionRecord
-from .schema import WRITE, make_engine, metadata, segments, sessions
+from .schema import WRITE, blobs, make_engine, metadata, segments, sessions
 
 log = structlog.get_logger(__name__)
 
@@ -97,12 +98,96 @@ class Ledger:
         # An in-memory SQLite database is one shared connection; threads must take turns on it.
         in_memory = self._engine.dialect.name == "sqlite" and self._engine.url.database in (None, "", ":memory:")
         self._serial: AbstractContextManager[object] = threading.RLock() if in_memory else nullcontext()
+        self._sqlite_file = self._engine.dialect.name == "sqlite" and not in_memory
         metadata.create_all(self._engine, checkfirst=True)
         self.content = ContentStore(self._engine, self._serial)
         self.crossings = CrossingLog(self._engine, self._serial)
 
     def close(self) -> None:
         self._engine.dispose()
+
+    # -- erasure at rest --------------------------------------------------------------------------
+
+    def scrub(self, timeout_s: float = 5.0) -> None:
+        """Make erased content unrecoverable from the database files (SQLite); raises ErasureIncomplete.
+
+        With `secure_delete=ON` (set on every connection) a deleted row's bytes are zeroed in its
+        page, but in WAL mode the page images from before the delete stay in `lethe.db-wal` until
+        a checkpoint copies the zeroed pages back and the WAL is truncated. `wal_checkpoint(TRUNCATE)`
+        does both; it cannot while a reader still holds a snapshot older than the erasure, which
+        is reported, not ignored. PostgreSQL: nothing to do per erasure; see `vacuum()` and
+        ledger/README.md for what stays in dead tuples and WAL until then.
+        """
+        if not self._sqlite_file:
+            return
+        deadline = time.monotonic() + timeout_s
+        while True:  # another connection's checkpoint in progress answers busy at once: retry
+            busy, wal_frames = self._checkpoint(max(deadline - time.monotonic(), 0.0))
+            if not busy:
+                return
+            if time.monotonic() >= deadline:
+                raise ErasureIncomplete(
+                    f"erased content may still be in the SQLite WAL ({wal_frames} frames): readers or other "
+                    f"checkpoints kept it busy for {timeout_s:g} s; the rows are erased, call Ledger.scrub() again"
+                )
+            time.sleep(0.02)
+
+    def _checkpoint(self, timeout_s: float) -> tuple[int, int]:
+        with self._serial:
+            raw = self._engine.raw_connection()
+            try:
+                cursor = raw.cursor()
+                cursor.execute(f"PRAGMA busy_timeout={int(timeout_s * 1000)}")
+                busy, wal_frames, _copied = cursor.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+                cursor.execute("PRAGMA busy_timeout=30000")
+                cursor.close()
+            finally:
+                raw.close()
+        return busy, wal_frames
+
+    def vacuum(self) -> None:
+        """Rewrite the ledger's storage so that no erased byte survives in it (run off-peak).
+
+        SQLite: VACUUM (rebuilds the file: free pages and their history go) and a truncating
+        checkpoint. PostgreSQL: VACUUM FULL of the ledger tables (a new heap and TOAST file; the
+        old files are unlinked, with dead tuples in them) and a CHECKPOINT, after which the WAL
+        segments holding the old rows are recycled; archived WAL (archive_command) and base
+        backups keep them until their own expiry, which this cannot reach (ledger/README.md).
+        """
+        if self._engine.dialect.name == "sqlite":
+            if self._sqlite_file:  # outside any transaction: the raw connection is in autocommit
+                with self._serial:
+                    raw = self._engine.raw_connection()
+                    try:
+                        raw.cursor().execute("VACUUM")
+                    finally:
+                        raw.close()
+        else:
+            with self._engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+                conn.exec_driver_sql(f"VACUUM (FULL, ANALYZE) {blobs.name}, {segments.name}, {sessions.name}")
+                try:
+                    conn.exec_driver_sql("CHECKPOINT")
+                except exc.DBAPIError as err:  # needs superuser or pg_checkpoint
+                    log.warning("ledger.vacuum_checkpoint_refused", error=str(err.orig).strip())
+        self.scrub()
+        log.info("ledger.vacuum", backend=self._engine.dialect.name)
+
+    def holders(self, sha256: str) -> list[Segment]:
+        """Every segment, in any session, that still holds stored content with this digest."""
+        with self._read() as conn:
+            rows = conn.execute(select(segments).where(
+                segments.c.state != SegmentState.FORGOTTEN.value,
+                or_(segments.c.content_sha256 == sha256, segments.c.replacement_sha256 == sha256),
+            ).order_by(segments.c.session_id, segments.c.seq)).all()
+        return [seg for seg in map(_segment, rows) if not (seg.state is SegmentState.QUARANTINED and seg.content_retired)]
+
+    def _erased(self, digests: set[str]) -> None:
+        """After an erasing commit: every digest no segment holds any more must be gone, on disk too."""
+        for digest in sorted(digests):
+            if not self.holders(digest) and self.content.exists(digest):
+                raise ErasureIncomplete(f"content {digest} has no holder but is still stored; nothing may report "
+                                        "this erasure as done (delete it with ContentStore.delete, then scrub)")
+        self.scrub()
 
     # -- transactions -----------------------------------------------------------------------------
 
@@ -307,6 +392,8 @@ class Ledger:
             return []
         with self._write(session_id) as (conn, sess):
             targets = self._load(conn, session_id, ids)
+            targets = sorted(targets + self._superseded_copies(conn, session_id, targets), key=lambda s: s.seq)
+            ids = [s.id for s in targets]
             # Right to left: each shift then moves only segments whose positions are still final.
             removed = 0
             for seg in reversed(targets):
@@ -326,7 +413,41 @@ class Ledger:
             )
             result = self._load(conn, session_id, ids)
         log.info("ledger.forget", session_id=session_id, segment_ids=ids, tokens=removed, blobs_erased=len(erased))
+        self._erased({d for s in targets for d in (s.content_sha256, s.replacement_sha256) if d})
         return result
+
+    @staticmethod
+    def _superseded_copies(conn: Connection, session_id: str, targets: list[Segment]) -> list[Segment]:
+        """Superseded segments of the session holding the same content as a forget target.
+
+        A history rewrite leaves the old segment SUPERSEDED with its blob; when the client re-sends
+        the content and it is forgotten, the superseded copy must go too, or the blob survives.
+        """
+        digests = {s.content_sha256 for s in targets}
+        rows = conn.execute(select(segments).where(
+            segments.c.session_id == session_id, segments.c.state == SegmentState.SUPERSEDED.value,
+            segments.c.content_sha256.in_(digests), segments.c.id.not_in([s.id for s in targets]),
+        )).all()
+        return [_segment(r) for r in rows]
+
+    def sweep_superseded(self, now: datetime, ttl_for: Callable[[SessionRecord, Segment], float | None]) -> list[Segment]:
+        """Retention for superseded segments (out of the cache, content still stored): forget each
+        whose age exceeds `ttl_for(session, segment)` (None keeps it). Returns the forgotten ones.
+
+        No kernel work is needed (their ranges are empty), so this runs in the ledger alone; the
+        caller writes the audit records."""
+        now = _utc(now)
+        query = (select(segments).where(segments.c.state == SegmentState.SUPERSEDED.value)
+                 .order_by(segments.c.session_id, segments.c.seq))
+        with self._read() as conn:
+            rows = conn.execute(query).all()
+        due: dict[str, list[str]] = {}
+        for seg in map(_segment, rows):
+            record = self.get_session(seg.session_id)
+            ttl = ttl_for(record, seg) if record is not None else None
+            if ttl is not None and (now - seg.created_at).total_seconds() > ttl:
+                due.setdefault(seg.session_id, []).append(seg.id)
+        return [seg for sid, ids in due.items() for seg in self.forget(sid, ids)]
 
     def retire_content(self, session_id: str, segment_ids: Sequence[str]) -> list[Segment]:
         """Retention for quarantined segments: the stub stays in the cache, the withheld content goes.
@@ -346,6 +467,7 @@ class Ledger:
             retired = self._load(conn, session_id, [s.id for s in targets]) if targets else []
         log.info("ledger.retire_content", session_id=session_id, segment_ids=[s.id for s in retired],
                  blobs_erased=len(erased))
+        self._erased({s.content_sha256 for s in retired})
         return retired
 
     def amortize(
@@ -379,11 +501,15 @@ class Ledger:
                 self.content.release(conn, [seg.replacement_sha256])
             (result,) = self._load(conn, session_id, [segment_id])
         log.info("ledger.amortize", session_id=session_id, segment_id=segment_id, delta=delta)
+        if seg.replacement_sha256 and seg.replacement_sha256 != digest:
+            self._erased({seg.replacement_sha256})
         return result
 
     def truncate(self, session_id: str, n_tokens: int) -> list[Segment]:
         """The client rewrote history: segments starting at or after `n_tokens` become SUPERSEDED
-        with empty ranges at `n_tokens`. Content is kept (history). Returns the newly superseded.
+        with empty ranges at `n_tokens`. Content is kept (history) until a forget of the same content
+        in the session, an explicit forget of the superseded segment, or `sweep_superseded`.
+        Returns the newly superseded.
         """
         with self._write(session_id) as (conn, sess):
             if not 0 <= n_tokens <= sess.token_count:

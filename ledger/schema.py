@@ -129,6 +129,9 @@ def _sqlite_transactions(engine: Engine) -> None:
         dbapi_conn.isolation_level = None
         cursor = dbapi_conn.cursor()
         cursor.execute("PRAGMA journal_mode=WAL")
+        # Deleted rows' bytes are overwritten with zeros in the page (and freed pages zeroed), so
+        # an erased blob cannot be read back from lethe.db; the WAL is truncated by Ledger.scrub.
+        cursor.execute("PRAGMA secure_delete=ON")
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.execute("PRAGMA busy_timeout=30000")
         cursor.close()

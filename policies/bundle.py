@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from policies.model import PolicyError
+from policies.schema import validate_data
 
 SHIPPED_BUNDLE_DIR = Path(__file__).resolve().parent
 
@@ -49,7 +50,7 @@ def hash_files(root: Path, files: list[Path]) -> tuple[str, dict[str, bytes]]:
 
 
 def load_bundle(bundle_dir: Path | None = None) -> Bundle:
-    """Read a bundle directory; raises PolicyError naming the file at fault."""
+    """Read a bundle directory; raises PolicyError naming the file (and, for data, the field) at fault."""
     root = (Path(bundle_dir) if bundle_dir is not None else SHIPPED_BUNDLE_DIR).resolve()
     if not root.is_dir():
         raise PolicyError(f"policy bundle directory {root} not found; pass an existing directory")
@@ -58,7 +59,7 @@ def load_bundle(bundle_dir: Path | None = None) -> Bundle:
         bundle_hash, contents = hash_files(root, files)
     except OSError as exc:
         raise PolicyError(f"cannot read policy bundle {root}: {exc}") from exc
-    modules, data, merged = [], [], {}
+    modules, data, merged, parsed_files = [], [], {}, {}
     for rel, body in contents.items():
         try:
             text = body.decode("utf-8")
@@ -74,9 +75,11 @@ def load_bundle(bundle_dir: Path | None = None) -> Bundle:
         if not isinstance(parsed, dict):
             raise PolicyError(f"{root / rel} must hold a JSON object (e.g. {{\"lethe\": {{...}}}})")
         data.append((rel, text))
+        parsed_files[rel] = json.loads(text)  # its own copy: _merge shares (and extends) the first file's objects
         _merge(merged, parsed, root / rel)
     if not modules:
         raise PolicyError(f"policy bundle {root} has no .rego files")
+    validate_data(merged, parsed_files, root)
     return Bundle(root, tuple(modules), tuple(data), json.dumps(merged), bundle_hash)
 
 

@@ -1,16 +1,19 @@
-# decision: what happens to one tool result before it may enter the KV cache.
+# decision: what happens to one piece of content before it may enter the KV cache.
 #
 # Query: data.lethe.decision
 # Input:
 #   {
 #     "tenant":  string,
 #     "user":    string | null,
-#     "session": {"id": string, "age_s": number, "tokens": number},
-#     "tool":    string,
-#     "channel": "chat" | "mcp"          (optional; absent means chat)
-#     "upstream": string                 (mcp only: the upstream server the proxy routed to)
+#     "channel": "tool" | "mcp" | "tool_definition" | "tool_call_arguments" |
+#                "user" | "assistant" | "system" | "developer"          (absent: "tool", a chat tool result)
+#     "upstream": string      (mcp only: the upstream server the proxy routed to)
 #     "phase":   "result" | "arguments" | "definition"
-#                                        (mcp only: a tool's result, a call's arguments, a tool's listing)
+#                             (mcp only: a tool's result, a call's arguments, a tool's listing)
+#     "content_sha256": string                                         (optional)
+#     "session": {"id": string, "age_s": number, "tokens": number,
+#                 "quarantined_hashes": [string, ...]}                  (optional list)
+#     "tool":    string      (null or absent allowed on user/assistant/system/developer),
 #     "span":    {"bytes": number, "tokens": number},
 #     "gate":    {"injection": number in [0, 1], "secret": number in [0, 1],
 #                 "findings": [{"kind": string, "rule_id": string, "layer": string, "score": number}],
@@ -23,9 +26,13 @@
 # Every reason starts with the name of the rule that fired ("injection_threshold: ...").
 # All rules that fire are reported; the action comes from the highest-ranked one:
 #   0 input_invalid        quarantine   the input does not have the documented shape
+#   1 quarantined_content  quarantine   content_sha256 is in session.quarantined_hashes: bytes
+#                                       quarantined once stay quarantined on every channel
 #   1 blocked_tool         quarantine   tool is blocked globally or for the tenant
 #   2 injection_threshold  quarantine   injection score at or over the tenant's threshold
-#                                       (trusted tools use thresholds.trusted_injection)
+#                                       (trusted tools use thresholds.trusted_injection);
+#                                       not on the tenant's principal_channels (default user,
+#                                       system, developer: the principal's own words instruct)
 #   3 span_limit           quarantine   span longer than max_span_tokens
 #   3 session_budget       quarantine   session would grow past max_session_tokens
 #   4 secret_threshold     redact       secret score at or over the tenant's threshold
@@ -65,12 +72,19 @@ decision_fired contains {"rank": 0, "action": "quarantine", "reason": sprintf("i
 
 decision_fired contains {"rank": 1, "action": "quarantine", "reason": msg} if {
 	decision_input_ok
+	input.content_sha256 in object.get(input.session, "quarantined_hashes", [])
+	msg := sprintf("quarantined_content: content %s was quarantined earlier in session %v (channel %s)", [input.content_sha256, input.session.id, decision_channel])
+}
+
+decision_fired contains {"rank": 1, "action": "quarantine", "reason": msg} if {
+	decision_input_ok
 	input.tool in blocked_tools
 	msg := sprintf("blocked_tool: tool %s is blocked for tenant %s", [input.tool, input.tenant])
 }
 
 decision_fired contains {"rank": 2, "action": "quarantine", "reason": msg} if {
 	decision_input_ok
+	not decision_channel in tenant_settings.principal_channels
 	input.gate.injection >= injection_limit
 	msg := sprintf("injection_threshold: injection %.2f >= %.2f%s", [input.gate.injection, injection_limit, trusted_note])
 }
@@ -105,6 +119,13 @@ decision_fired contains {"rank": 4, "action": sensitive_action, "reason": msg} i
 decision_hits := decision_fired if count(decision_fired) > 0
 
 else := {{"rank": 9, "action": "allow", "reason": "default_allow: no rule fired"}}
+
+# Channels (see the header). "tool" when absent, so a caller that predates channels keeps its meaning.
+decision_channels := {"tool", "mcp", "tool_definition", "tool_call_arguments", "user", "assistant", "system", "developer"}
+
+tool_channels := {"tool", "mcp", "tool_definition", "tool_call_arguments"}
+
+decision_channel := object.get(input, "channel", "tool")
 
 # The byte gate alone and the probe stack are different scores with different operating points
 # (gate/README.md measures both on kinds never trained on): each has its own default threshold.
@@ -147,7 +168,9 @@ decision_input_problems contains msg if {
 
 decision_checks := {
 	"tenant": "tenant must be a non-empty string",
-	"tool": "tool must be a non-empty string",
+	"channel": "channel must be one of tool, mcp, tool_definition, tool_call_arguments, user, assistant, system, developer",
+	"tool": "tool must be a non-empty string (null allowed on user, assistant, system, developer)",
+	"content": "content_sha256 must be a string and session.quarantined_hashes a list of strings",
 	"injection": "gate.injection must be a number in [0, 1]",
 	"secret": "gate.secret must be a number in [0, 1]",
 	"findings": "gate.findings must be a list",
@@ -157,7 +180,21 @@ decision_checks := {
 
 decision_valid contains "tenant" if non_empty_string(input.tenant)
 
+decision_valid contains "channel" if decision_channel in decision_channels
+
 decision_valid contains "tool" if non_empty_string(input.tool)
+
+decision_valid contains "tool" if {
+	not decision_channel in tool_channels
+	object.get(input, "tool", null) == null
+}
+
+decision_valid contains "content" if {
+	is_string(object.get(input, "content_sha256", ""))
+	hashes := object.get(object.get(input, "session", {}), "quarantined_hashes", [])
+	is_array(hashes)
+	every h in hashes { is_string(h) }
+}
 
 decision_valid contains "injection" if unit_number(input.gate.injection)
 

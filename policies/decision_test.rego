@@ -191,3 +191,83 @@ test_shipped_defaults_without_fixtures if {
 	d := data.lethe.decision with input as req("nobody", "web.fetch", {"injection": 0.97, "secret": 0, "findings": []})
 	d.action == "quarantine"
 }
+
+# --- channels ---------------------------------------------------------------------------------
+
+on(channel, tool, gate) := object.union(req("nobody", tool, gate), {"channel": channel})
+
+injected := {"injection": 0.98, "secret": 0, "findings": []}
+
+secret := {"injection": 0.05, "secret": 0.97, "findings": []}
+
+test_absent_channel_means_tool if {
+	decide(req("nobody", "web.fetch", injected)) == decide(on("tool", "web.fetch", injected))
+}
+
+test_untrusted_channels_gate_injection if {
+	every channel in ["tool", "mcp", "tool_definition", "tool_call_arguments", "assistant"] {
+		decide(on(channel, "web.fetch", injected)).reasons == ["injection_threshold: injection 0.98 >= 0.97"]
+	}
+}
+
+test_principal_channels_are_not_injection_gated if {
+	every channel in ["user", "system", "developer"] {
+		decide(on(channel, null, injected)) == {"action": "allow", "reasons": ["default_allow: no rule fired"]}
+	}
+}
+
+test_secrets_are_redacted_on_every_channel if {
+	every channel in ["tool", "mcp", "tool_definition", "tool_call_arguments", "user", "assistant", "system", "developer"] {
+		decide(on(channel, "web.fetch", secret)).action == "redact"
+	}
+}
+
+test_quarantined_bytes_stay_quarantined_on_every_channel if {
+	every channel in ["tool", "user", "assistant", "system", "developer", "tool_call_arguments", "tool_definition", "mcp"] {
+		i := object.union(on(channel, "web.fetch", clean), {
+			"content_sha256": "ab12",
+			"session": {"id": "s1", "age_s": 1, "tokens": 10, "quarantined_hashes": ["ff00", "ab12"]},
+		})
+		d := decide(i)
+		d.action == "quarantine"
+		d.reasons == [sprintf("quarantined_content: content ab12 was quarantined earlier in session s1 (channel %s)", [channel])]
+	}
+}
+
+test_other_hashes_are_not_quarantined if {
+	i := object.union(on("user", null, clean), {
+		"content_sha256": "0000",
+		"session": {"id": "s1", "age_s": 1, "tokens": 10, "quarantined_hashes": ["ab12"]},
+	})
+	decide(i).action == "allow"
+}
+
+test_unknown_channel_is_invalid if {
+	d := decide(on("telepathy", "web.fetch", clean))
+	d.action == "quarantine"
+	d.reasons == ["input_invalid: channel must be one of tool, mcp, tool_definition, tool_call_arguments, user, assistant, system, developer"]
+}
+
+test_tool_channels_need_a_tool_name if {
+	d := decide(on("tool_call_arguments", null, clean))
+	d.reasons == ["input_invalid: tool must be a non-empty string (null allowed on user, assistant, system, developer)"]
+}
+
+test_malformed_quarantined_hashes_are_invalid if {
+	i := object.union(on("user", null, clean), {"session": {"id": "s1", "age_s": 1, "tokens": 10, "quarantined_hashes": "ab12"}})
+	decide(i).reasons == ["input_invalid: content_sha256 must be a string and session.quarantined_hashes a list of strings"]
+}
+
+test_blocked_tool_arguments_are_quarantined if {
+	d := data.lethe.decision with input as object.union(on("tool_call_arguments", "browser.raw", clean), {"tenant": "acme"})
+		with data.lethe.tenants as tenants
+		with data.lethe.defaults as defaults
+	d.reasons == ["blocked_tool: tool browser.raw is blocked for tenant acme"]
+}
+
+test_tenant_may_gate_user_text_too if {
+	d := data.lethe.decision with input as object.union(on("user", null, injected), {"tenant": "paranoid"})
+		with data.lethe.tenants as {"paranoid": {"principal_channels": []}}
+		with data.lethe.defaults as defaults
+	d.action == "quarantine"
+}

@@ -8,6 +8,7 @@ one, never a mix, and every answer carries the hash of the bundle that produced 
 
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,41 @@ _PROBES: dict[str, dict[str, Any]] = {
         "action": "forget",
     },
 }
+
+
+# Per-tenant activation probes: what every tenant's decision must be on content everyone agrees on.
+_KNOWN_INJECTION = {"injection": 1.0, "secret": 0.0,
+                    "findings": [{"kind": "injection", "rule_id": "probe", "layer": "rules", "score": 1.0}]}
+_KNOWN_SECRET = {"injection": 0.0, "secret": 1.0,
+                 "findings": [{"kind": "secret", "rule_id": "probe", "layer": "rules", "score": 1.0}]}
+_ERASING = frozenset({"forget", "redact"})
+
+
+def _tenant_probes(tenant: str) -> list[tuple[str, dict[str, Any]]]:
+    base = {"tenant": tenant, "user": "probe", "session": {"id": "probe", "age_s": 0, "tokens": 0},
+            "tool": "lethe.probe", "span": {"bytes": 64, "tokens": 16}}
+    requoted = {**base, "channel": "user", "tool": None, "gate": {"injection": 0.0, "secret": 0.0, "findings": []},
+                "content_sha256": "probe", "session": {**base["session"], "quarantined_hashes": ["probe"]}}
+    return [("a known injection", {**base, "gate": _KNOWN_INJECTION}),
+            ("a quarantined result re-sent as user text", requoted),
+            ("a known secret", {**base, "gate": _KNOWN_SECRET})]
+
+
+def _merged(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _secret_actions(settings: dict) -> frozenset[str]:
+    """forget or redact, or the one other action a tenant opted into with both switches (see decision.rego)."""
+    action = settings.get("sensitive_action")
+    if action == "amortize" and settings.get("amortize_opt_in") is True:
+        return frozenset({"amortize"})
+    if action == "allow" and settings.get("admit_sensitive") is True:
+        return frozenset({"allow"})
+    return _ERASING
 
 
 @dataclass(frozen=True)
@@ -140,7 +176,27 @@ class PolicyEngine:
                 _VALIDATORS[rule_path](self._evaluate(embedded, rule_path, probe), bundle.hash)
             except PolicyError as exc:
                 raise PolicyError(f"policy bundle {bundle.root} refused: {exc}") from exc
+        self._probe_tenants(embedded)
         return _Active(bundle, self._opa) if self._opa is not None else embedded
+
+    def _probe_tenants(self, active: _Active) -> None:
+        """Every tenant (and one with no overrides) must quarantine a known injection and a re-sent
+        quarantined result, and forget (or redact) a known secret unless it opted into another action."""
+        data = json.loads(active.bundle.data_json)["lethe"]
+        tenants = data.get("tenants", {})
+        for tenant in ["lethe.probe.no-overrides", *sorted(tenants)]:
+            settings = _merged(data["defaults"], tenants.get(tenant, {}))
+            for what, probe in _tenant_probes(tenant):
+                expected = _secret_actions(settings) if probe["gate"] is _KNOWN_SECRET else frozenset({"quarantine"})
+                try:
+                    action = self._evaluate(active, "lethe/decision", probe).get("action")
+                except PolicyError as exc:
+                    raise PolicyError(f"policy bundle {active.bundle.root} refused: tenant {tenant!r}: {exc}") from exc
+                if action not in expected:
+                    raise PolicyError(
+                        f"policy bundle {active.bundle.root} refused: for tenant {tenant!r} {what} gives {action!r}, "
+                        f"must be {' or '.join(sorted(expected))}; check that tenant's thresholds, blocked/trusted "
+                        "tools and sensitive settings")
 
     @staticmethod
     def _evaluate(active: _Active, rule_path: str, input: dict) -> dict:

@@ -77,6 +77,9 @@ class LedgerMachine(RuleBasedStateMachine):
     def forget(self, data: st.DataObject) -> None:
         picks = data.draw(st.lists(st.sampled_from(self.model), min_size=1, max_size=4))
         out = self.ledger.forget(self.sid, [m.id for m in picks])
+        # Superseded copies of forgotten content go too: otherwise they would keep its blob.
+        contents = {m.content for m in picks}
+        picks += [m for m in self.model if m.state is S and m.content in contents and m not in picks]
         for m in picks:
             m.state = F
         assert sorted({m.id for m in picks}) == sorted(s.id for s in out)

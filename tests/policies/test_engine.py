@@ -23,7 +23,20 @@ FAULTY_DECISION = """package lethe
 
 import rego.v1
 
-decision := {"action": "allow", "reasons": ["test_allow: ok"]} if not input.tool in {"ghost", "conflict", "bogus", "noreasons", "string", "div", "nokinds", "nontext"}
+decision := {"action": "allow", "reasons": ["test_allow: ok"]} if {
+	not input.tool in {"ghost", "conflict", "bogus", "noreasons", "string", "div", "nokinds", "nontext"}
+	not input.user == "probe"
+}
+
+decision := {"action": "quarantine", "reasons": ["probe"]} if {
+	input.user == "probe"
+	input.gate.secret < 1
+}
+
+decision := {"action": "forget", "reasons": ["probe"]} if {
+	input.user == "probe"
+	input.gate.secret == 1
+}
 
 decision := {"action": "allow", "reasons": ["a"]} if input.tool == "conflict"
 

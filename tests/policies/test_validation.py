@@ -1,0 +1,94 @@
+"""Policy data is validated on load and every tenant is probed: a bad reload is refused, the active bundle stays."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from policies import PolicyEngine, PolicyError
+from policies.bundle import SHIPPED_BUNDLE_DIR
+from tests.policies.test_engine import decision_input
+
+INJECTED = {"injection": 0.998, "secret": 0.0, "findings": []}
+
+
+def _assert_refused_and_kept(engine: PolicyEngine, bad, *fragments: str) -> None:
+    before = engine.bundle_hash
+    with pytest.raises(PolicyError) as err:
+        engine.reload(bad)
+    for fragment in fragments:
+        assert fragment in str(err.value), str(err.value)
+    assert engine.bundle_hash == before
+    d = engine.decide(decision_input(gate=INJECTED))
+    assert (d.action, d.bundle_hash) == ("quarantine", before)
+
+
+@pytest.mark.parametrize(
+    ("override", "field", "problem"),
+    [
+        ({"thresholds": {"injection": "0.8"}}, "data.lethe.tenants.acme.thresholds.injection", "'0.8' is not of type 'number'"),
+        ({"blocked_tools": "shell.exec"}, "data.lethe.tenants.acme.blocked_tools", "is not of type 'array'"),
+        ({"sensitive_kinds": "secret"}, "data.lethe.tenants.acme.sensitive_kinds", "is not of type 'array'"),
+        ({"trusted_tools": [""]}, "data.lethe.tenants.acme.trusted_tools[0]", "should be non-empty"),
+        ({"thresholds": {"secret": 1.5}}, "data.lethe.tenants.acme.thresholds.secret", "greater than the maximum"),
+        ({"treshold": {"injection": 0.8}}, "data.lethe.tenants.acme", "'treshold' was unexpected"),
+        ({"max_span_tokens": 1000.5}, "data.lethe.tenants.acme.max_span_tokens", "is not of type 'integer'"),
+        ({"principal_channels": ["user", "email"]}, "data.lethe.tenants.acme.principal_channels[1]", "is not one of"),
+        ({"retention": {"classes": {"normal": "30d"}}}, "data.lethe.tenants.acme.retention.classes.normal", "is not of type"),
+    ],
+)
+def test_wrongly_typed_tenant_setting_is_refused_naming_the_field(make_bundle, override, field, problem):
+    engine = PolicyEngine(make_bundle())
+    _assert_refused_and_kept(engine, make_bundle(tenants={"acme": override}), field + ":", problem, "tenants.json")
+
+
+def test_defaults_are_checked_with_every_key_required(make_bundle):
+    defaults = json.loads((SHIPPED_BUNDLE_DIR / "data" / "defaults.json").read_text())
+    del defaults["lethe"]["defaults"]["blocked_tools"]
+    bad = make_bundle(replace={"data/defaults.json": json.dumps(defaults)})
+    _assert_refused_and_kept(PolicyEngine(make_bundle()), bad, "data.lethe.defaults:", "'blocked_tools' is a required property", "defaults.json")
+
+
+def test_quoted_threshold_no_longer_allows_an_injection(make_bundle):
+    """The issue's reproduction: on the old code this reload succeeded and 0.998 became `allow`."""
+    with pytest.raises(PolicyError, match=r"thresholds\.injection"):
+        PolicyEngine(make_bundle(tenants={"acme": {"thresholds": {"injection": "0.8"}}}))
+
+
+def test_a_tenant_that_would_not_quarantine_a_known_injection_is_refused(make_bundle):
+    engine = PolicyEngine(make_bundle())
+    bad = make_bundle(tenants={"acme": {}, "lax": {"principal_channels": ["tool", "user", "system", "developer"]}})
+    _assert_refused_and_kept(engine, bad, "tenant 'lax'", "a known injection gives 'allow'", "must be quarantine")
+
+
+def test_a_policy_that_keeps_secrets_is_refused(make_bundle):
+    rego = (SHIPPED_BUNDLE_DIR / "decision.rego").read_text().replace('else := "redact"', 'else := "allow"')
+    engine = PolicyEngine(make_bundle())
+    _assert_refused_and_kept(engine, make_bundle(replace={"decision.rego": rego}), "a known secret gives 'allow'",
+                             "must be forget or redact")
+
+
+def test_a_policy_that_ignores_quarantined_hashes_is_refused(make_bundle):
+    rego = (SHIPPED_BUNDLE_DIR / "decision.rego").read_text().replace(
+        'input.content_sha256 in object.get(input.session, "quarantined_hashes", [])', "false")
+    engine = PolicyEngine(make_bundle())
+    _assert_refused_and_kept(engine, make_bundle(replace={"decision.rego": rego}),
+                             "a quarantined result re-sent as user text gives 'allow'")
+
+
+def test_explicit_double_opt_ins_are_accepted(make_bundle):
+    tenants = {
+        "review": {"admit_sensitive": True, "sensitive_action": "allow"},
+        "optin": {"amortize_opt_in": True, "sensitive_action": "amortize"},
+        "half": {"sensitive_action": "allow"},  # one switch only: still redacts, still accepted
+        "strictest": {"thresholds": {"injection": 1.0, "secret": 1.0}, "sensitive_kinds": []},
+    }
+    engine = PolicyEngine(make_bundle(tenants=tenants))
+    secret = {"injection": 0.0, "secret": 0.99, "findings": []}
+    assert engine.decide(decision_input(gate=secret, tenant="review")).action == "allow"
+    assert engine.decide(decision_input(gate=secret, tenant="half")).action == "redact"
+
+
+def test_shipped_bundle_passes_validation_and_probes():
+    assert PolicyEngine().bundle_hash
