@@ -77,7 +77,8 @@ def serve(host: Annotated[Optional[str], typer.Option()] = None,
     from .app import create_app
 
     s = _settings()
-    uvicorn.run(create_app(s), host=host or s.host, port=port or s.port, log_config=None, access_log=False)
+    uvicorn.run(create_app(s), host=host or s.host, port=port or s.port, log_config=None, access_log=False,
+                timeout_graceful_shutdown=int(s.shutdown_grace_s) + 1)
 
 
 # ---- tenants and keys -----------------------------------------------------------------------

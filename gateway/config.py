@@ -77,6 +77,10 @@ class Settings(BaseSettings):
     max_tool_result_bytes: int = 256_000
     max_inflight: int = 32
     retention_sweep_s: float = 30.0
+    lock_timeout_s: float = Field(default=15.0, gt=0,
+                                  description="wait for a busy session at most this long, then 503 + Retry-After")
+    shutdown_grace_s: float = Field(default=10.0, gt=0,
+                                    description="at exit, wait at most this long for running turns to end")
 
     @classmethod
     def settings_customise_sources(

@@ -6,7 +6,7 @@ PostgreSQL), content stored content-addressed so that a forget also erases store
 """
 from .content import ContentStore
 from .errors import LedgerError, LedgerInvariantError, UnknownSegment, UnknownSession
-from .ledger import Ledger
+from .ledger import Ledger, NewSegment, TurnWrite
 from .records import Segment, SegmentState, SessionRecord
 
 __all__ = [
@@ -14,9 +14,11 @@ __all__ = [
     "Ledger",
     "LedgerError",
     "LedgerInvariantError",
+    "NewSegment",
     "Segment",
     "SegmentState",
     "SessionRecord",
+    "TurnWrite",
     "UnknownSegment",
     "UnknownSession",
 ]

@@ -1,6 +1,8 @@
 """Bad input, auth, tenant isolation and limits: each refused with a clear 4xx, nothing lost."""
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 
 from gateway.demo import WEATHER
@@ -142,16 +144,17 @@ def test_salted_system_prompt_cache_is_per_scope(live_gateway):
     assert gw.cache(first) is not gw.cache(second)
 
 
-def test_a_failed_turn_still_erases_what_policy_admitted_for_it(live_gateway):
-    """The default tenant forgets secrets after the turn; a turn that fails later must still do it."""
+def test_context_window_is_checked_before_anything_is_admitted(live_gateway):
+    """A turn refused for the context window admits, stores and audits nothing of its messages."""
     from gateway.demo import CONFIG_FILE
 
     key = live_gateway.new_key("strictco", user="carol")
     messages = [*TOOL_TURN[:2], {"role": "tool", "tool_call_id": "c1", "content": CONFIG_FILE}]
+    audit_size = live_gateway.state.audit.size
     with live_gateway.client(key) as http:
-        failed = chat(http, messages, max_tokens=9_000)  # admitted, then refused: context window
-        assert failed.status_code == 400
+        failed = chat(http, messages, max_tokens=9_000)
+        assert failed.status_code == 400 and failed.json()["error"]["code"] == "context_length_exceeded"
         sessions = live_gateway.state.ledger.list_sessions("strictco")
-        segments = http.get(f"/v1/sessions/{sessions[-1].id}/segments").json()["segments"]
-    assert segments[-1]["state"] == "forgotten" and segments[-1]["start"] == segments[-1]["end"]
-    assert live_gateway.state.audit.list(session=sessions[-1].id, kind="forget")
+        assert http.get(f"/v1/sessions/{sessions[-1].id}/segments").json()["segments"] == []
+    assert live_gateway.state.audit.size == audit_size
+    assert not live_gateway.state.ledger.content.exists(hashlib.sha256(CONFIG_FILE.encode()).hexdigest())
