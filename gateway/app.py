@@ -133,7 +133,7 @@ def create_app(settings: Settings | None = None, *, model: Model | None = None) 
             turn = await run.prepared_turn()
             if req.stream:
                 handed_over = True
-                return CompletionStream(run, turn_headers(turn))  # type: ignore[return-value]
+                return CompletionStream(run, turn_headers(turn))
             return JSONResponse(await whole_completion(run), headers=turn_headers(turn))
         finally:
             if not handed_over:

@@ -21,6 +21,7 @@ from concurrent.futures import Executor
 from typing import Any
 
 import structlog
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from kvkernel import GenerationConfig, Model
@@ -165,18 +166,20 @@ async def whole_completion(run: TurnRun) -> dict[str, Any]:
             "lethe": run.lethe(turn)}
 
 
-class CompletionStream:
+class CompletionStream(Response):
     """The ASGI response of a streamed completion (server-sent events)."""
 
-    def __init__(self, run: TurnRun, headers: dict[str, str]) -> None:
+    def __init__(self, run: TurnRun, headers: dict[str, str]) -> None:  # noqa: super().__init__ renders a body
         self.run = run
-        self.headers = [(k.encode(), v.encode()) for k, v in
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = [(k.encode(), v.encode()) for k, v in
                         {**headers, "content-type": "text/event-stream; charset=utf-8", "cache-control": "no-cache"}
                         .items()]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             async for event in self._events():
                 await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
