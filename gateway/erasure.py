@@ -80,7 +80,11 @@ class Erasure:
                decisions: dict[str, Action] | None = None) -> dict[str, Any]:
         """Exact erasure of whole segments: kernel, then ledger, then one audit record per segment."""
         spans = sorted((s.start, s.end) for s in segments if s.n_tokens > 0)
-        if not len(live.cache):  # not resident: the next rebuild from the ledger already skips them
+        if spans and not len(live.cache):  # not resident (a restart): the next rebuild skips them anyway
+            if kind == "forget":  # but a forget record carries the kernel's never-saw witness
+                raise GatewayError(409, "session_not_resident",
+                                   f"session {live.record.id} has no cache in memory (the gateway restarted); send "
+                                   "a turn on it to rebuild the cache, then retry the erasure")
             spans = []
         started = time.perf_counter()
         with fails_as("kernel"):

@@ -21,7 +21,16 @@ from tests.gateway.conftest import PORT, raw_request, snapshot, tool_turn, turns
 
 pytestmark = pytest.mark.model
 
-SECRET_SHA = hashlib.sha256(CONFIG_FILE.encode()).hexdigest()
+
+
+@pytest.fixture
+def secret(request) -> str:
+    """A leaked-key file unique to the test, so that its content blob is this test's alone."""
+    return f"{CONFIG_FILE}# {request.node.name}\n"
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 @pytest.fixture(scope="module")
@@ -37,21 +46,25 @@ def _new_session(live_gateway, key: str) -> str:
     return response.headers["x-lethe-session"]
 
 
-def _secret_body(stream: bool, max_tokens: int = 8) -> bytes:
+def _secret_body(secret: str, stream: bool, max_tokens: int = 8) -> bytes:
     return json.dumps({"model": "m", "stream": stream, "max_tokens": max_tokens,
                        "messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"},
-                                    *tool_turn(CONFIG_FILE)]}).encode()
+                                    *tool_turn(secret)]}).encode()
 
 
-def _assert_turn_ended(live_gateway, key: str, sid: str) -> None:
-    """Every turn ended: no lock held, no secret content left, ledger tiles the cache, session usable."""
-    wait_until(lambda: turns_settled(live_gateway), what="every turn ending")
-    ledger = live_gateway.state.ledger
-    assert not ledger.content.exists(SECRET_SHA)
-    assert all(s.state.value in ("forgotten", "superseded") for s in ledger.segments(sid)
-               if s.content_sha256 == SECRET_SHA)
+def _assert_turn_ended(live_gateway, key: str, sid: str, secret: str, admitted: bool = True) -> None:
+    """Every turn ended: no lock held, the secret admitted for one turn forgotten (content gone),
+    the ledger tiling the cache, the session usable."""
+    ledger, sha = live_gateway.state.ledger, _sha(secret)
+
+    def ended() -> bool:
+        forgotten = any(s.content_sha256 == sha and s.state.value == "forgotten" for s in ledger.segments(sid))
+        return (forgotten or not admitted) and turns_settled(live_gateway)
+    wait_until(ended, what="the turn ending with its secret forgotten")
+    assert not ledger.content.exists(sha)
+    assert all(s.state.value == "forgotten" for s in ledger.segments(sid) if s.content_sha256 == sha)
     snapshot(live_gateway, sid)  # checks the ledger against the cache
-    assert LEAKED_KEY[:20] not in json.dumps(live_gateway.state.ledger.segments(sid), default=str)
+    assert LEAKED_KEY[:20] not in json.dumps(ledger.segments(sid), default=str)
     with live_gateway.client(key) as http:
         again = http.post("/v1/chat/completions", headers={"X-Lethe-Session": sid},
                           json={"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "again"}]})
@@ -61,18 +74,18 @@ def _assert_turn_ended(live_gateway, key: str, sid: str) -> None:
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
-def test_disconnect_right_after_sending_still_ends_the_turn(live_gateway, strict_key, stream, chunked):
+def test_disconnect_right_after_sending_still_ends_the_turn(live_gateway, strict_key, secret, stream, chunked):
     sid = _new_session(live_gateway, strict_key)
-    sock = raw_request(PORT, "/v1/chat/completions", _secret_body(stream), key=strict_key, chunked=chunked,
+    sock = raw_request(PORT, "/v1/chat/completions", _secret_body(secret, stream), key=strict_key, chunked=chunked,
                        headers={"X-Lethe-Session": sid})
     sock.close()  # before the first token: the agent timed out, the user pressed stop
-    _assert_turn_ended(live_gateway, strict_key, sid)
+    _assert_turn_ended(live_gateway, strict_key, sid, secret)
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
-def test_disconnect_mid_stream_ends_the_turn(live_gateway, strict_key, chunked):
+def test_disconnect_mid_stream_ends_the_turn(live_gateway, strict_key, secret, chunked):
     sid = _new_session(live_gateway, strict_key)
-    sock = raw_request(PORT, "/v1/chat/completions", _secret_body(True, max_tokens=64), key=strict_key,
+    sock = raw_request(PORT, "/v1/chat/completions", _secret_body(secret, True, max_tokens=64), key=strict_key,
                        chunked=chunked, headers={"X-Lethe-Session": sid})
     sock.settimeout(300)
     received = b""
@@ -80,27 +93,27 @@ def test_disconnect_mid_stream_ends_the_turn(live_gateway, strict_key, chunked):
         received += sock.recv(4096)
     assert b" 200 " in received.split(b"\r\n", 1)[0]
     sock.close()
-    _assert_turn_ended(live_gateway, strict_key, sid)
+    _assert_turn_ended(live_gateway, strict_key, sid, secret)
 
 
-def test_disconnect_after_the_last_token_ends_the_turn_once(live_gateway, strict_key):
+def test_disconnect_after_the_last_token_ends_the_turn_once(live_gateway, strict_key, secret):
     sid = _new_session(live_gateway, strict_key)
     audit_before = live_gateway.state.audit.size
-    sock = raw_request(PORT, "/v1/chat/completions", _secret_body(True, max_tokens=2), key=strict_key,
+    sock = raw_request(PORT, "/v1/chat/completions", _secret_body(secret, True, max_tokens=2), key=strict_key,
                        headers={"X-Lethe-Session": sid})
     sock.settimeout(300)
     received = b""
     while b'"finish_reason": "' not in received:
         received += sock.recv(4096)
     sock.close()  # gone before [DONE]
-    _assert_turn_ended(live_gateway, strict_key, sid)
+    _assert_turn_ended(live_gateway, strict_key, sid, secret)
     forgets = live_gateway.state.audit.list(session=sid, kind="forget")
     assert len(forgets) == 1 and live_gateway.state.audit.size > audit_before  # forgotten and audited, once
 
 
-def test_httpx_abandoned_stream_and_chunked_upload(live_gateway, strict_key):
+def test_httpx_abandoned_stream_and_chunked_upload(live_gateway, strict_key, secret):
     sid = _new_session(live_gateway, strict_key)
-    body = _secret_body(True, max_tokens=64)
+    body = _secret_body(secret, True, max_tokens=64)
     with httpx.Client(base_url=live_gateway.base, timeout=300,
                       headers={"Authorization": f"Bearer {strict_key}", "X-Lethe-Session": sid}) as http:
         with http.stream("POST", "/v1/chat/completions", content=(body[i:i + 500] for i in range(0, len(body), 500)),
@@ -109,7 +122,7 @@ def test_httpx_abandoned_stream_and_chunked_upload(live_gateway, strict_key):
             for line in response.iter_lines():
                 if line.startswith("data: "):
                     break  # abandon the stream after the first event
-    _assert_turn_ended(live_gateway, strict_key, sid)
+    _assert_turn_ended(live_gateway, strict_key, sid, secret)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
@@ -130,13 +143,13 @@ def test_chunked_upload_reaches_the_app_intact(live_gateway, strict_key, stream)
     assert (b"[DONE]" in data) if stream else (b'"chat.completion"' in data)
 
 
-def test_client_that_dies_mid_upload_leaves_nothing(live_gateway, strict_key):
+def test_client_that_dies_mid_upload_leaves_nothing(live_gateway, strict_key, secret):
     sid = _new_session(live_gateway, strict_key)
     before = snapshot(live_gateway, sid)
     sock = socket.create_connection(("127.0.0.1", PORT), timeout=30)
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + strict_key.encode()
                  + b"\r\nX-Lethe-Session: " + sid.encode() + b"\r\nTransfer-Encoding: chunked\r\n\r\n"
-                 + b"100\r\n" + _secret_body(False)[:100])  # a chunk announced, never finished
+                 + b"100\r\n" + _secret_body(secret, False)[:100])  # a chunk announced, never finished
     sock.close()
     wait_until(lambda: turns_settled(live_gateway), what="the aborted upload being dropped")
     assert snapshot(live_gateway, sid) == before
@@ -158,7 +171,7 @@ def test_malformed_framing_is_refused_cleanly(live_gateway, strict_key):
         assert http.get("/readyz").status_code == 200
 
 
-def test_a_busy_session_answers_503_with_retry_after_and_the_sweeper_keeps_sweeping(live_gateway, strict_key):
+def test_a_busy_session_answers_503_with_retry_after_and_the_sweeper_keeps_sweeping(live_gateway, strict_key, secret):
     sid = _new_session(live_gateway, strict_key)
     live = live_gateway.state.gateway.sessions.get(sid)
     sweeps = live_gateway.state.sweeps
@@ -174,17 +187,17 @@ def test_a_busy_session_answers_503_with_retry_after_and_the_sweeper_keeps_sweep
         wait_until(lambda: live_gateway.state.sweeps >= sweeps + 2, 60, "two sweeper passes")
     finally:
         live.lock.release()
-    _assert_turn_ended(live_gateway, strict_key, sid)
+    _assert_turn_ended(live_gateway, strict_key, sid, secret, admitted=False)
 
 
-def test_concurrent_turns_on_one_session_all_end(live_gateway, strict_key):
+def test_concurrent_turns_on_one_session_all_end(live_gateway, strict_key, secret):
     sid = _new_session(live_gateway, strict_key)
     results: list[int] = []
     ready: list[int] = []
     stop = threading.Event()
 
     def one(i: int) -> None:
-        body = json.loads(_secret_body(i % 2 == 0, max_tokens=4))
+        body = json.loads(_secret_body(secret, i % 2 == 0, max_tokens=4))
         with httpx.Client(base_url=live_gateway.base, timeout=300) as http:
             r = http.post("/v1/chat/completions", json=body,
                           headers={"Authorization": f"Bearer {strict_key}", "X-Lethe-Session": sid})
@@ -209,7 +222,7 @@ def test_concurrent_turns_on_one_session_all_end(live_gateway, strict_key):
     watcher.join()
     assert len(results) == 6 and set(results) <= {200, 503} and 200 in results
     assert ready and set(ready) == {200}
-    _assert_turn_ended(live_gateway, strict_key, sid)
+    _assert_turn_ended(live_gateway, strict_key, sid, secret)
 
 
 def test_audit_export_streams_its_whole_body_through_the_middleware(live_gateway):
