@@ -166,6 +166,7 @@ class LocalGateway:
     base: str
     key: str  # an admin key of the demo tenant (user alice)
     app: Any
+    server: Any = None  # the uvicorn.Server (set should_exit to stop it as SIGTERM would)
 
 
 @contextmanager
@@ -194,7 +195,7 @@ def local_gateway(settings: Settings, model: Any = None, port: int | None = None
         base = f"http://127.0.0.1:{s.port}"
         try:
             _wait_ready(base, thread)
-            yield LocalGateway(base, key, app)
+            yield LocalGateway(base, key, app, server)
         finally:
             server.should_exit = True
             thread.join(timeout=30)

@@ -230,9 +230,34 @@ def test_audit_export_streams_its_whole_body_through_the_middleware(live_gateway
 
     from gateway.cli import app as cli
 
-    with live_gateway.client() as http:
+    admin = live_gateway.state.tenants.create_key(None, admin=True)
+    with live_gateway.client(admin) as http:
         export = http.get("/v1/audit/export")  # a bodiless GET: no Content-Length, no Transfer-Encoding
     assert export.status_code == 200 and len(export.content) > 0
     assert json.loads(export.content)["records"]
-    result = CliRunner().invoke(cli, ["audit", "verify", "--url", live_gateway.base, "--api-key", live_gateway.key])
+    result = CliRunner().invoke(cli, ["audit", "verify", "--url", live_gateway.base, "--api-key", admin])
     assert result.exit_code == 0, result.output
+
+
+def test_shutdown_during_a_stream_ends_the_turn_within_the_grace_period(real_model, secret):
+    from gateway.config import Settings
+    from gateway.demo import local_gateway
+
+    settings = Settings(max_new_tokens=8, retention_sweep_s=3600, shutdown_grace_s=2.0, log_json=True, debug=True)
+    with local_gateway(settings, model=real_model, port=PORT + 1) as gw:
+        state = gw.app.state.lethe
+        state.tenants.create_tenant("shutdown")
+        key = state.tenants.create_key("shutdown", user="sam")
+        sock = raw_request(PORT + 1, "/v1/chat/completions", _secret_body(secret, True, max_tokens=4000), key=key)
+        sock.settimeout(300)
+        received = b""
+        while b"data: " not in received:
+            received += sock.recv(4096)
+        sid = next(line.split(b": ", 1)[1].decode() for line in received.split(b"\r\n")
+                   if line.lower().startswith(b"x-lethe-session"))
+        gw.server.should_exit = True  # SIGTERM's path: graceful shutdown, then the lifespan's drain
+        wait_until(lambda: state.gateway.stopping.is_set() and state.gateway.running == 0, 120, "the drain")
+        sock.close()
+        segments = state.ledger.segments(sid)
+        assert any(s.content_sha256 == _sha(secret) and s.state.value == "forgotten" for s in segments)
+        assert not state.ledger.content.exists(_sha(secret))
