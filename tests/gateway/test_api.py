@@ -158,3 +158,26 @@ def test_context_window_is_checked_before_anything_is_admitted(live_gateway):
         assert http.get(f"/v1/sessions/{sessions[-1].id}/segments").json()["segments"] == []
     assert live_gateway.state.audit.size == audit_size
     assert not live_gateway.state.ledger.content.exists(hashlib.sha256(CONFIG_FILE.encode()).hexdigest())
+
+
+def test_a_rewritten_history_keeps_no_forgotten_segment_in_its_middle(live_gateway):
+    """The shipped policy forgets a secret after its turn; a client that then rewrites that part of
+    the history must get a conversation without the dead segment, reused as is by the next turn."""
+    from gateway.demo import CONFIG_FILE
+
+    key = live_gateway.new_key("rewrites", user="rita")
+    secret = [*TOOL_TURN[:2], {"role": "tool", "tool_call_id": "c1", "content": CONFIG_FILE + "# rewrite\n"}]
+    rewritten = [TOOL_TURN[0], {"role": "assistant", "content": "no tools today"}, {"role": "user", "content": "ok"}]
+    ledger = live_gateway.state.ledger
+
+    def conversation(sid):
+        return [(s.id, s.state.value) for s in ledger.segments(sid) if s.state.value != "superseded"]
+    with live_gateway.client(key) as http:
+        sid = chat(http, secret).headers["x-lethe-session"]
+        assert conversation(sid)[-1][1] == "forgotten"
+        assert chat(http, rewritten, session=sid).status_code == 200
+        after_rewrite = conversation(sid)
+        assert [state for _, state in after_rewrite] == ["live"] * 3
+        longer = [*rewritten, {"role": "assistant", "content": "fine"}, {"role": "user", "content": "more"}]
+        assert chat(http, longer, session=sid).status_code == 200
+    assert conversation(sid)[:3] == after_rewrite and len(conversation(sid)) == 5
