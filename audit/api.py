@@ -11,7 +11,7 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any, Protocol
 
-from fastapi import APIRouter, Depends, HTTPException, Query
+from fastapi import APIRouter, Depends, HTTPException, Path, Query
 from fastapi.responses import StreamingResponse
 
 from .errors import AuditError, RecordNotFound
@@ -20,6 +20,8 @@ from .merkle import ProofError
 from .records import AuditRecord
 
 __all__ = ["Principal", "make_router"]
+
+_INT64 = 2**63 - 1  # every index and size fits a database integer
 
 
 class Principal(Protocol):
@@ -52,7 +54,7 @@ def make_router(get_log: Callable[[], AuditLog], principal: Callable[..., Princi
         since: datetime | None = None,
         until: datetime | None = None,
         limit: int = Query(50, ge=1, le=1000),
-        after: int | None = Query(None, ge=-1),
+        after: int | None = Query(None, ge=-1, le=_INT64),
         log: AuditLog = Depends(get_log),
         who: Principal = Depends(principal),
     ) -> dict[str, Any]:
@@ -67,7 +69,7 @@ def make_router(get_log: Callable[[], AuditLog], principal: Callable[..., Princi
         }
 
     @router.get("/records/{index}")
-    def get_record(index: int, log: AuditLog = Depends(get_log), who: Principal = Depends(principal)) -> dict[str, Any]:
+    def get_record(index: int = Path(ge=0, le=_INT64), log: AuditLog = Depends(get_log), who: Principal = Depends(principal)) -> dict[str, Any]:
         record = visible_record(index, log, who)
         proof = log.erasure_proof(index)
         return {**record.to_dict(), "checkpoint": proof["checkpoint"], "inclusion_proof": proof["inclusion_proof"]}
@@ -78,8 +80,8 @@ def make_router(get_log: Callable[[], AuditLog], principal: Callable[..., Princi
 
     @router.get("/consistency")
     def consistency(
-        first: int = Query(..., ge=0),
-        second: int | None = Query(None, ge=0),
+        first: int = Query(..., ge=0, le=_INT64),
+        second: int | None = Query(None, ge=0, le=_INT64),
         log: AuditLog = Depends(get_log),
         _: Principal = Depends(principal),
     ) -> dict[str, Any]:
@@ -89,7 +91,7 @@ def make_router(get_log: Callable[[], AuditLog], principal: Callable[..., Princi
             raise HTTPException(400, str(e)) from e
 
     @router.get("/erasures/{index}/proof")
-    def erasure_proof(index: int, log: AuditLog = Depends(get_log), who: Principal = Depends(principal)) -> dict[str, Any]:
+    def erasure_proof(index: int = Path(ge=0, le=_INT64), log: AuditLog = Depends(get_log), who: Principal = Depends(principal)) -> dict[str, Any]:
         visible_record(index, log, who)
         return log.erasure_proof(index)
 

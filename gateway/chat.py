@@ -55,21 +55,45 @@ class ChatMessage(BaseModel):
         return body
 
 
+MAX_STOPS = 4  # as OpenAI
+MAX_STOP_CHARS = 256
+MAX_TOKENS = 1 << 20  # far above any context window; the window itself is checked per session
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
 class ChatRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(min_length=1)
     messages: list[ChatMessage] = Field(min_length=1)
     stream: bool = False
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS)
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = None
     tools: list[dict[str, Any]] | None = None
     n: Literal[1] = 1
     user: str | None = None
+    stream_options: StreamOptions | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops_bounded(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences")
+        if any(not 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"each stop sequence must have 1 to {MAX_STOP_CHARS} characters")
+        return stop
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
 
     @field_validator("messages")
     @classmethod
@@ -221,17 +245,20 @@ def stub_text(reason: str) -> str:
     return f"[tool result withheld by policy: {reason}]"
 
 
-def with_tools(messages: list[ChatMessage], tools: list[dict[str, Any]] | None) -> list[ChatMessage]:
-    """Describe the tools in the system message, since small chat templates have no tools slot."""
+def with_tools(messages: list[ChatMessage], tools: list[dict[str, Any]] | None) -> tuple[list[ChatMessage], int]:
+    """Describe the tools in the system message, since small chat templates have no tools slot.
+
+    Returns the messages and how many the gateway put before the client's own (0 or 1), so that
+    every index reported back can be the client's."""
     if not tools:
-        return messages
+        return messages, 0
     spec = json.dumps([t.get("function", t) for t in tools], sort_keys=True)
     note = ("You can call tools. To call one, answer only with "
             f'<tool_call>{{"name": ..., "arguments": {{...}}}}</tool_call>. Tools: {spec}')
     if messages[0].role == "system":
         first = messages[0].model_copy(update={"content": messages[0].text + "\n\n" + note})
-        return [first, *messages[1:]]
-    return [ChatMessage(role="system", content=note), *messages]
+        return [first, *messages[1:]], 0
+    return [ChatMessage(role="system", content=note), *messages], 1
 
 
 def _tool_names(messages: list[ChatMessage]) -> dict[int, str]:

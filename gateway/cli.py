@@ -78,7 +78,8 @@ def serve(host: Annotated[Optional[str], typer.Option()] = None,
     from .app import create_app
 
     s = _settings()
-    uvicorn.run(create_app(s), host=host or s.host, port=port or s.port, log_config=None, access_log=False)
+    uvicorn.run(create_app(s), host=host or s.host, port=port or s.port, log_config=None, access_log=False,
+                timeout_graceful_shutdown=int(s.shutdown_grace_s) + 1)
 
 
 @app.command()
@@ -154,7 +155,7 @@ def kernel_plan(plan: PlanOption = None, json_out: JsonFlag = False) -> None:
     """The canonical plan for this machine and model: cached and re-verified, or calibrated now."""
     from kvkernel import named_plan
 
-    from .app import kernel_for
+    from .wiring import kernel_for
 
     if plan:
         named_plan(plan)  # refuse an unknown name before loading the model
@@ -347,7 +348,7 @@ def audit_export(out: Annotated[Path, typer.Option(help="where to write the expo
     """Write a self-contained export of the audit log for offline verification."""
     from audit import AuditLog
 
-    from .app import open_signer
+    from .wiring import open_signer
 
     s = _settings()
     log = AuditLog(s.audit_db_url, open_signer(s), origin=s.audit_origin)

@@ -82,6 +82,10 @@ class Settings(BaseSettings):
     max_tool_result_bytes: int = 256_000
     max_inflight: int = 32
     retention_sweep_s: float = 30.0
+    lock_timeout_s: float = Field(default=15.0, gt=0,
+                                  description="wait for a busy session at most this long, then 503 + Retry-After")
+    shutdown_grace_s: float = Field(default=10.0, gt=0,
+                                    description="at exit, wait at most this long for running turns to end")
 
     # the MCP proxy (`lethe mcp`): upstreams as TOML [[mcp_upstreams]] tables or a JSON list in
     # LETHE_MCP_UPSTREAMS, each {name, command: [argv...] | url, env, headers}; `--upstream` adds more

@@ -168,11 +168,12 @@ class LocalGateway:
     base: str
     key: str  # an admin key of the demo tenant (user alice)
     app: Any
+    server: Any = None  # the uvicorn.Server (set should_exit to stop it as SIGTERM would)
 
 
 @contextmanager
-def local_gateway(settings: Settings, model: Any = None) -> Iterator[LocalGateway]:
-    """A gateway on a loopback port with a throwaway data dir and a demo tenant."""
+def local_gateway(settings: Settings, model: Any = None, port: int | None = None) -> Iterator[LocalGateway]:
+    """A gateway on a loopback port (a free one unless given) with a throwaway data dir and a demo tenant."""
     import uvicorn
 
     from .app import create_app
@@ -184,19 +185,19 @@ def local_gateway(settings: Settings, model: Any = None) -> Iterator[LocalGatewa
             "data_dir": data, "database_url": None, "audit_database_url": None,
             "model_cache_dir": settings.resolved("model_cache_dir", "models").resolve(),
             "policy_dir": demo_bundle(data / "policies"), "policy_backend": "embedded",
-            "audit_key_path": None, "salt_secret_path": None, "port": _free_port()})
+            "audit_key_path": None, "salt_secret_path": None, "port": port or _free_port()})
         app = create_app(s, model=model)
         store: TenantStore = app.state.lethe.tenants
         store.create_tenant(DEMO_TENANT)
         key = store.create_key(DEMO_TENANT, user="alice", admin=True)
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=s.port, log_config=None,
-                                               access_log=False))
+                                               access_log=False, timeout_graceful_shutdown=int(s.shutdown_grace_s) + 1))
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
         base = f"http://127.0.0.1:{s.port}"
         try:
             _wait_ready(base, thread)
-            yield LocalGateway(base, key, app)
+            yield LocalGateway(base, key, app, server)
         finally:
             server.should_exit = True
             thread.join(timeout=30)

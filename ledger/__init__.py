@@ -7,7 +7,7 @@ PostgreSQL), content stored content-addressed so that a forget also erases store
 from .content import ContentStore
 from .crossings import Crossing, CrossingLog
 from .errors import ErasureIncomplete, LedgerError, LedgerInvariantError, UnknownSegment, UnknownSession
-from .ledger import Ledger
+from .ledger import Ledger, NewSegment, TurnWrite
 from .records import Segment, SegmentState, SessionRecord
 
 __all__ = [
@@ -18,9 +18,11 @@ __all__ = [
     "Ledger",
     "LedgerError",
     "LedgerInvariantError",
+    "NewSegment",
     "Segment",
     "SegmentState",
     "SessionRecord",
+    "TurnWrite",
     "UnknownSegment",
     "UnknownSession",
 ]

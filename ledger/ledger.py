@@ -12,11 +12,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
 import structlog
-from sqlalchemy import Connection, Row, bindparam, exc, insert, or_, select, update
+from sqlalchemy import Connection, Row, bindparam, delete, exc, insert, or_, select, update
 
 from .content import ContentStore, sha256_hex
 from .crossings import CrossingLog
@@ -37,6 +38,31 @@ _LOCK_SESSION = select(sessions).where(sessions.c.id == bindparam("session_id"))
 _INSERT_SEGMENT = insert(segments)
 _ADVANCE_SESSION = (update(sessions).where(sessions.c.id == bindparam("session_id"))
                     .values(token_count=bindparam("new_count"), next_seq=bindparam("new_seq")))
+
+
+@dataclass(frozen=True)
+class NewSegment:
+    """A segment a turn will append: everything `append` takes."""
+
+    role: str
+    tool: str | None
+    content: bytes
+    n_tokens: int
+    state: SegmentState = SegmentState.LIVE
+    data_class: str = "normal"
+    meta: dict[str, Any] = field(default_factory=dict)
+    replacement: bytes | None = None  # a redacted tool result: only these bytes are stored (see `append`)
+
+
+@dataclass(frozen=True)
+class TurnWrite:
+    """What `write_turn` changed, so that `undo_turn` can put the session back exactly."""
+
+    session_id: str
+    appended: tuple[Segment, ...]
+    superseded: tuple[Segment, ...]  # as they were before the write
+    token_count: int
+    next_seq: int
 
 
 def _utcnow() -> datetime:
@@ -380,6 +406,58 @@ class Ledger:
             conn.execute(_ADVANCE_SESSION, {"session_id": session_id, "new_count": seg.end, "new_seq": seg.seq + 1})
         log.debug("ledger.append", session_id=session_id, segment_id=seg.id, state=state.value, n_tokens=n_tokens)
         return seg
+
+    def write_turn(self, session_id: str, *, keep: int, new: Sequence[NewSegment]) -> TurnWrite:
+        """One chat turn's ledger writes in one transaction: all or nothing.
+
+        The conversation is the session's non-superseded segments in seq order. Every segment
+        after its first `keep` leaves it (SUPERSEDED, empty range at the cut), forgotten ones
+        included: a rewritten history must not keep dead segments in its middle, where every
+        later request would mismatch them. Then `new` is appended at the cut.
+        """
+        with self._write(session_id) as (conn, sess):
+            conversation = [s for s in self._segments(conn, session_id, include_dead=True)
+                            if s.state is not SegmentState.SUPERSEDED]
+            kept, cut = conversation[:keep], conversation[keep:]
+            at = kept[-1].end if kept else 0
+            if cut:
+                conn.execute(update(segments).where(segments.c.id.in_([s.id for s in cut]))
+                             .values(state=SegmentState.SUPERSEDED.value, tok_start=at, tok_end=at))
+            seq, appended = sess.next_seq, []
+            for item in new:
+                state = SegmentState(item.state)
+                if state not in _APPENDABLE or item.n_tokens < 0:
+                    raise LedgerError(f"a turn appends live or quarantined segments of >= 0 tokens, not {item}")
+                redacted = item.replacement is not None
+                seg = Segment(id=_new_segment_id(), session_id=session_id, seq=seq, role=item.role, tool=item.tool,
+                              content_sha256=sha256_hex(item.content) if redacted else self.content.put_in(conn, item.content),
+                              start=at, end=at + item.n_tokens, state=state, created_at=self._clock(),
+                              data_class=item.data_class, meta=dict(item.meta),
+                              replacement_sha256=self.content.put_in(conn, item.replacement) if redacted else None)
+                conn.execute(_INSERT_SEGMENT, {
+                    "id": seg.id, "session_id": session_id, "seq": seg.seq, "role": seg.role, "tool": seg.tool,
+                    "content_sha256": seg.content_sha256, "tok_start": seg.start, "tok_end": seg.end,
+                    "state": state.value, "created_at": seg.created_at, "data_class": seg.data_class,
+                    "meta": seg.meta, "replacement_sha256": seg.replacement_sha256})
+                appended.append(seg)
+                seq, at = seq + 1, seg.end
+            conn.execute(_ADVANCE_SESSION, {"session_id": session_id, "new_count": at, "new_seq": seq})
+        log.debug("ledger.write_turn", session_id=session_id, superseded=len(cut), appended=len(appended))
+        return TurnWrite(session_id, tuple(appended), tuple(cut), sess.token_count, sess.next_seq)
+
+    def undo_turn(self, write: TurnWrite) -> None:
+        """Put the session back as it was before `write` (a later step of the turn failed)."""
+        with self._write(write.session_id) as (conn, _sess):
+            ids = [s.id for s in write.appended]
+            if ids:
+                conn.execute(delete(segments).where(segments.c.id.in_(ids)))
+            for seg in write.superseded:
+                conn.execute(update(segments).where(segments.c.id == seg.id)
+                             .values(state=seg.state.value, tok_start=seg.start, tok_end=seg.end))
+            conn.execute(_ADVANCE_SESSION, {"session_id": write.session_id, "new_count": write.token_count,
+                                            "new_seq": write.next_seq})
+            self.content.release(conn, [d for s in write.appended for d in (s.content_sha256, s.replacement_sha256) if d])
+        log.info("ledger.undo_turn", session_id=write.session_id, removed=len(write.appended))
 
     def forget(self, session_id: str, segment_ids: Sequence[str]) -> list[Segment]:
         """Exact erasure in the ledger: all listed segments become FORGOTTEN with empty ranges and

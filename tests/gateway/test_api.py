@@ -1,6 +1,8 @@
 """Bad input, auth, tenant isolation and limits: each refused with a clear 4xx, nothing lost."""
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 
 from gateway.demo import WEATHER
@@ -142,17 +144,41 @@ def test_salted_system_prompt_cache_is_per_scope(live_gateway):
     assert gw.cache(first) is not gw.cache(second)
 
 
-def test_a_failed_turn_still_erases_what_policy_admitted_for_it(live_gateway, tmp_path, with_tenant_policy):
-    """A tenant whose policy forgets secrets after the turn: a turn that fails later must still do it."""
+def test_context_window_is_checked_before_anything_is_admitted(live_gateway):
+    """A turn refused for the context window admits, stores and audits nothing of its messages."""
     from gateway.demo import CONFIG_FILE
 
     key = live_gateway.new_key("strictco", user="carol")
     messages = [*TOOL_TURN[:2], {"role": "tool", "tool_call_id": "c1", "content": CONFIG_FILE}]
-    with with_tenant_policy(live_gateway.state.policy, tmp_path, {"strictco": {"sensitive_action": "forget"}}), \
-            live_gateway.client(key) as http:
-        failed = chat(http, messages, max_tokens=9_000)  # admitted, then refused: context window
-        assert failed.status_code == 400
+    audit_size = live_gateway.state.audit.size
+    with live_gateway.client(key) as http:
+        failed = chat(http, messages, max_tokens=9_000)
+        assert failed.status_code == 400 and failed.json()["error"]["code"] == "context_length_exceeded"
         sessions = live_gateway.state.ledger.list_sessions("strictco")
-        segments = http.get(f"/v1/sessions/{sessions[-1].id}/segments").json()["segments"]
-    assert segments[-1]["state"] == "forgotten" and segments[-1]["start"] == segments[-1]["end"]
-    assert live_gateway.state.audit.list(session=sessions[-1].id, kind="forget")
+        assert http.get(f"/v1/sessions/{sessions[-1].id}/segments").json()["segments"] == []
+    assert live_gateway.state.audit.size == audit_size
+    assert not live_gateway.state.ledger.content.exists(hashlib.sha256(CONFIG_FILE.encode()).hexdigest())
+
+
+def test_a_rewritten_history_keeps_no_forgotten_segment_in_its_middle(live_gateway, tmp_path, with_tenant_policy):
+    """A policy that forgets a secret after its turn; a client that then rewrites that part of the
+    history must get a conversation without the dead segment, reused as is by the next turn."""
+    from gateway.demo import CONFIG_FILE
+
+    key = live_gateway.new_key("rewrites", user="rita")
+    secret = [*TOOL_TURN[:2], {"role": "tool", "tool_call_id": "c1", "content": CONFIG_FILE + "# rewrite\n"}]
+    rewritten = [TOOL_TURN[0], {"role": "assistant", "content": "no tools today"}, {"role": "user", "content": "ok"}]
+    ledger = live_gateway.state.ledger
+
+    def conversation(sid):
+        return [(s.id, s.state.value) for s in ledger.segments(sid) if s.state.value != "superseded"]
+    with with_tenant_policy(live_gateway.state.policy, tmp_path, {"rewrites": {"sensitive_action": "forget"}}), \
+            live_gateway.client(key) as http:
+        sid = chat(http, secret).headers["x-lethe-session"]
+        assert conversation(sid)[-1][1] == "forgotten"
+        assert chat(http, rewritten, session=sid).status_code == 200
+        after_rewrite = conversation(sid)
+        assert [state for _, state in after_rewrite] == ["live"] * 3
+        longer = [*rewritten, {"role": "assistant", "content": "fine"}, {"role": "user", "content": "more"}]
+        assert chat(http, longer, session=sid).status_code == 200
+    assert conversation(sid)[:3] == after_rewrite and len(conversation(sid)) == 5

@@ -1,0 +1,410 @@
+"""The request pipeline of one chat turn, top to bottom.
+
+    match     the request's messages against the session's ledger (the reused prefix)
+    validate  limits and the context window: before anything is admitted or audited
+    sync      the KV cache to the matched prefix
+    admit     plain messages as they are; each tool result through
+              gate -> stage -> probe -> policy -> keep, or roll back to a stub
+    commit    the turn's ledger rows in one transaction, then its audit records
+    prompt    stage the generation prompt
+
+Nothing here rolls back: a failing step raises (a GatewayError naming its component, via
+`fails_as`), and `Turn.end` — the one place that rolls back — puts the cache and the ledger back
+as they were through `restore`. Until `commit` returns, nothing of the turn is in the ledger or
+the audit log.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import structlog
+
+from audit import AuditLog
+from gate import Gate, GateReport, InjectionProbe
+from kvkernel import Kernel, Model
+from ledger import Ledger, NewSegment, Segment, SegmentState
+from policies import PolicyEngine
+
+from .chat import Conversation, RenderedMessage
+from .errors import GatewayError, fails_as
+from .erasure import DEAD, Erasure, actor_of, audit_body, stub_reason_of
+from .metrics import Metrics
+from .screen import Screened, apply_redact, refuse_withheld
+from .sessions import LiveSession, PrefixCache
+from .tenants import Principal
+from .turn import Action, Staged, Turn
+
+log = structlog.get_logger(__name__)
+
+
+class Stopwatch:
+    """Adds up the time spent inside its `with` blocks."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._started = 0.0
+
+    def __enter__(self) -> "Stopwatch":
+        self._started = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds += time.perf_counter() - self._started
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The gate's report, plus the hidden-state probe's score of the staged content when one runs.
+
+    `injection` is the probe's calibrated stack of both scores: the byte layers catch what is
+    written, the probe what the model reads as an instruction.
+    """
+
+    report: GateReport
+    probe_score: float | None
+    injection: float
+
+    @classmethod
+    def of(cls, report: GateReport, probe_score: float | None, probe: InjectionProbe | None) -> "Verdict":
+        if probe is None or probe_score is None:
+            return cls(report, None, report.injection)
+        return cls(report, probe_score, float(probe.combine(probe_score, report.injection)))
+
+    @property
+    def label(self) -> str:
+        return "injection" if self.injection >= 0.5 else "secret" if self.report.secret >= 0.5 else "clean"
+
+    def findings(self) -> list[dict[str, Any]]:
+        found = [{"kind": f.kind, "rule_id": f.rule_id, "layer": f.layer, "score": f.score}
+                 for f in self.report.findings]
+        if self.probe_score is not None and self.probe_score >= 0.5:
+            found.append({"kind": "injection", "rule_id": "hidden-state-probe", "layer": "probe",
+                          "score": self.probe_score})
+        return found
+
+    def policy_input(self) -> dict[str, Any]:
+        scorer = "byte_gate" if self.probe_score is None else "stack"  # each has its own policy threshold
+        return {"injection": self.injection, "secret": self.report.secret, "findings": self.findings(), "scorer": scorer}
+
+    def summary(self) -> dict[str, Any]:
+        summary = {**self.report.summary(), "injection": self.injection}
+        if self.probe_score is not None:
+            summary.update(injection_bytes=self.report.injection, probe=self.probe_score)
+        return summary
+
+    def stub_reason(self, reasons: tuple[str, ...]) -> str:
+        if self.injection >= 0.5:
+            return "prompt-injection"
+        if self.report.secret >= 0.5:
+            return "secret"
+        if any(r.startswith("policy-error") for r in reasons):
+            return "policy-error"
+        return "policy"
+
+
+@dataclass
+class PipelineParts:
+    model: Model
+    kernel: Kernel
+    ledger: Ledger
+    audit: AuditLog
+    policy: PolicyEngine
+    gate: Gate
+    metrics: Metrics
+    probe: InjectionProbe | None
+    prefixes: PrefixCache
+    erasure: Erasure
+    compute: Any  # runs a kernel call under the model lock
+    max_tool_result_bytes: int
+    check_invariants: bool
+
+
+class Pipeline:
+    """Prepares a turn (everything up to generation) and implements `TurnOps` for its end."""
+
+    def __init__(self, parts: PipelineParts) -> None:
+        self.p = parts
+        self._compute = parts.compute
+
+    # ---- prepare: the pipeline, in order ------------------------------------------------------
+
+    def prepare(self, turn: Turn, principal: Principal, conv: Conversation, max_new_tokens: int,
+                offset: int) -> None:
+        """Run the pipeline up to a staged generation prompt. `offset` is how many messages the
+        gateway put before the client's own (a tools note), so reported indices are the client's."""
+        live = turn.live
+        turn.keep, expected = self._match(live, conv)
+        self._validate(conv, turn.keep, len(expected), max_new_tokens, offset)
+        with fails_as("kernel"):
+            self._sync_cache(live, expected)
+        self._admit(turn, principal, conv, offset)
+        self._commit(turn)
+        prompt = conv.generation_prompt()
+        with fails_as("kernel"):
+            self._compute(live.cache.stage, prompt)
+        self.p.metrics.tokens.labels("prefill").inc(len(prompt))
+        live.chunks = conv.used
+        turn.prompt_tokens = len(live.cache)
+
+    def _match(self, live: LiveSession, conv: Conversation) -> tuple[int, list[int]]:
+        """How many conversation segments the request's messages match, and their tokens."""
+        with fails_as("ledger"):
+            segments = [s for s in self.p.ledger.segments(live.record.id) if s.state is not SegmentState.SUPERSEDED]
+        expected: list[int] = []
+        k = 0
+        for seg in segments:
+            if k >= len(conv.messages):
+                break
+            rendered = conv.message(k)
+            if (seg.role, seg.content_sha256, seg.tool) != (rendered.role, rendered.content_sha256, rendered.tool):
+                break
+            tokens = self._segment_tokens(conv, k, seg)
+            if len(tokens) != seg.n_tokens:
+                break  # the template or tokenizer changed: re-prefill from here
+            expected.extend(tokens)
+            k += 1
+        return k, expected
+
+    def _segment_tokens(self, conv: Conversation, k: int, seg: Segment) -> tuple[int, ...]:
+        if seg.state in DEAD:
+            return ()
+        if seg.state in (SegmentState.QUARANTINED, SegmentState.AMORTIZED):
+            return conv.stub(k, stub_reason_of(seg))
+        if "redaction" in seg.meta and seg.replacement_sha256:  # only the redacted text ever entered
+            return conv.chunk(k, self.p.ledger.content.get(seg.replacement_sha256).decode("utf-8", "replace"))
+        return conv.chunk(k)
+
+    def _validate(self, conv: Conversation, first: int, matched_tokens: int, max_new_tokens: int,
+                  offset: int) -> None:
+        """Tool-result size and the context window, counting every new message in full (a
+        quarantined result would take less: the check errs on the safe side)."""
+        new_tokens = 0
+        for k in range(first, len(conv.messages)):
+            m = conv.message(k)
+            if m.role == "tool" and len(m.content) > self.p.max_tool_result_bytes:
+                raise GatewayError(413, "tool_result_too_large",
+                                   f"messages[{k - offset}] tool result is {len(m.content)} bytes; the limit is "
+                                   f"{self.p.max_tool_result_bytes} (LETHE_MAX_TOOL_RESULT_BYTES)",
+                                   param=f"messages.{k - offset}.content")
+            new_tokens += len(m.tokens)
+        prompt = len(conv.generation_prompt())
+        total = matched_tokens + new_tokens + prompt + max_new_tokens
+        if total > self.p.model.max_context:
+            raise GatewayError(400, "context_length_exceeded",
+                               f"session needs {total} tokens (kept {matched_tokens} + new messages {new_tokens} + "
+                               f"prompt {prompt} + max_tokens {max_new_tokens}) but the context window is "
+                               f"{self.p.model.max_context}; lower max_tokens, forget segments or start a new session",
+                               param="max_tokens")
+
+    def _sync_cache(self, live: LiveSession, expected: list[int]) -> None:
+        """Make the cache hold exactly `expected`: keep the common prefix, re-prefill the rest."""
+        have = live.cache.tokens
+        common = 0
+        for a, b in zip(have, expected):
+            if a != b:
+                break
+            common += 1
+        if common < len(have):
+            self._compute(live.cache.truncate, common)
+        if common < len(expected):
+            self._compute(live.cache.extend, expected[common:])
+            self.p.metrics.tokens.labels("prefill").inc(len(expected) - common)
+
+    def _admit(self, turn: Turn, principal: Principal, conv: Conversation, offset: int) -> None:
+        batch: list[RenderedMessage] = []
+        for k in range(turn.keep, len(conv.messages)):
+            rendered = conv.message(k)
+            if rendered.role != "tool":
+                batch.append(rendered)
+                continue
+            self._admit_plain(turn, batch)
+            batch = []
+            with self.p.compute.lock:  # see _admit_tool
+                turn.staged.append(self._admit_tool(turn, principal, conv, rendered, offset))
+        self._admit_plain(turn, batch)
+
+    def _admit_plain(self, turn: Turn, batch: list[RenderedMessage]) -> None:
+        """Non-tool messages enter as they are: one prefill for the batch, one ledger row each."""
+        if not batch:
+            return
+        live = turn.live
+        tokens = [t for m in batch for t in m.tokens]
+        with fails_as("kernel"):
+            if not len(live.cache) and batch[0].role == "system":  # an empty cache means an empty conversation
+                tokens = tokens[self._warm_start(live, batch[0].tokens):]
+            if tokens:
+                self._compute(live.cache.extend, tokens)
+        self.p.metrics.tokens.labels("prefill").inc(len(tokens))
+        turn.staged.extend(Staged(NewSegment(role=m.role, tool=None, content=m.content, n_tokens=len(m.tokens)))
+                           for m in batch)
+
+    def _warm_start(self, live: LiveSession, system: tuple[int, ...]) -> int:
+        """Begin an empty session from the salted cache of its system prompt, or seed that cache.
+
+        Returns how many tokens the cache now holds (the system prompt's)."""
+        key = PrefixCache.key(live.record.salt_scope or "", system)
+        cached = self.p.prefixes.get(key)
+        if cached is not None:
+            live.cache = cached
+        else:
+            self._compute(live.cache.extend, system)
+            self.p.prefixes.put(key, live.cache)
+        return len(system)
+
+    def _admit_tool(self, turn: Turn, principal: Principal, conv: Conversation, m: RenderedMessage,
+                    offset: int) -> Staged:
+        """gate -> stage (the probe reads the staged states) -> policy -> keep, or roll back to a stub.
+
+        The caller holds the model lock for the whole admission. On a CPU host the model's
+        compute saturates every core, so pipeline work run beside another session's forward pass
+        only slows both; run between forward passes it costs its own time, ~2 ms.
+        """
+        live, own = turn.live, Stopwatch()  # own: the gateway's work, model compute excluded
+        with own, fails_as("gate"):
+            report = self.p.gate.scan(m.content, tool=m.tool)
+        probe_score = self._stage_scored(live, conv, m, own)
+        with own:
+            verdict = Verdict.of(report, probe_score, self.p.probe)
+            with fails_as("policy"):
+                decision = self.p.policy.decide(self._decision_input(principal, live, m, verdict))
+                screened = self._screen(principal, live, m, report, decision)
+                decision = screened.decision
+        reason = verdict.stub_reason(decision.reasons)
+        tokens = self._decide(live, conv, m, decision.action, reason, screened)
+        self.p.metrics.gate_verdicts.labels(verdict.label).inc()
+        self.p.metrics.actions.labels(decision.action).inc()
+        action = Action(m.index - offset, None, m.tool, decision.action, decision.reasons, verdict.summary())
+        row, audit = self._admission_rows(principal, live, m, tokens, verdict, screened, reason)
+        action.overhead_ms = own.seconds * 1e3
+        self.p.metrics.overhead_seconds.observe(own.seconds)
+        log.info("tool.admitted", session=live.record.id, tool=m.tool, action=decision.action,
+                 injection=round(verdict.injection, 4), secret=round(report.secret, 4),
+                 overhead_ms=round(own.seconds * 1e3, 3))
+        return Staged(row, action, conv.stub(m.index, reason) if decision.action == "amortize" else (), audit)
+
+    def _screen(self, principal: Principal, live: LiveSession, m: RenderedMessage, report: GateReport,
+                decision: Any) -> Screened:
+        """Refuse bytes the MCP proxy withheld from this tenant, then carry out a redact decision.
+
+        The redacted bytes' re-scan is the byte gate's alone: the probe read the original's staged
+        states, and an injection it flagged there already outranked the redaction (quarantine)."""
+        decision = refuse_withheld(self.p.ledger.crossings, principal.tenant or "", m.content_sha256, decision)
+        return apply_redact(self.p.gate, self.p.policy, m.content, report, decision,
+                            lambda rescan, _n: self._decision_input(principal, live, m, Verdict.of(rescan, None, None)))
+
+    @staticmethod
+    def _admission_rows(principal: Principal, live: LiveSession, m: RenderedMessage, tokens: tuple[int, ...],
+                        verdict: Verdict, screened: Screened, reason: str) -> tuple[NewSegment, dict[str, Any] | None]:
+        """The ledger row and (for quarantine and redact) the audit body of one admitted tool result.
+
+        A redacted segment stores only the redacted bytes; its gate summary is the re-scan's (so
+        retention classes it by what entered), the original's is kept beside it."""
+        decision, red = screened.decision, screened.redaction
+        quarantined = decision.action == "quarantine"
+        redacted = red is not None and decision.action == "redact"
+        data_class = "secret" if verdict.report.secret >= 0.5 and not redacted else "quarantined" \
+            if quarantined else "normal"
+        meta = {"gate": verdict.summary(), "decision": decision.to_dict(), "stub_reason": reason}
+        if redacted:
+            meta.update(gate=screened.rescan.summary(), gate_original=verdict.summary(),  # type: ignore[union-attr]
+                        redaction=red.to_dict())  # type: ignore[union-attr]
+        row = NewSegment(role=m.role, tool=m.tool, content=m.content, n_tokens=len(tokens),
+                         state=SegmentState.QUARANTINED if quarantined else SegmentState.LIVE,
+                         data_class=data_class, meta=meta, replacement=red.data if redacted else None)  # type: ignore[union-attr]
+        if not (quarantined or redacted):
+            return row, None
+        body = audit_body("redact" if redacted else "quarantine", live.record, "", (0, 0), len(m.tokens),
+                          m.content_sha256, verdict.summary(), decision.to_dict(), actor_of(principal), None)
+        return row, ({**body, "redaction": red.to_dict()} if redacted else body)  # type: ignore[union-attr]
+
+    def _stage_scored(self, live: LiveSession, conv: Conversation, m: RenderedMessage,
+                      own: Stopwatch) -> float | None:
+        """Stage the tool result; with a probe, score the residual states of its content tokens."""
+        probe = self.p.probe
+        with fails_as("kernel"):
+            if probe is None:
+                self._compute(live.cache.stage, m.tokens)
+                return None
+            _, states = self._compute(live.cache.stage_with_states, m.tokens, probe.layers)
+        with own, fails_as("probe"):
+            head, tail = conv.frame(m.index)
+            content = {layer: s[head:len(m.tokens) - tail].float().numpy() for layer, s in states.items()}
+            return probe.score(content)
+
+    def _decide(self, live: LiveSession, conv: Conversation, m: RenderedMessage, action: str,
+                reason: str, screened: Screened) -> tuple[int, ...]:
+        """Keep the staged content, or put the stub or the redacted text in its place; returns
+        what is in the cache now. The one place that maps a decision to what the cache holds.
+        """
+        with fails_as("kernel"):
+            if action == "quarantine" or screened.redaction is not None and action == "redact":
+                # the content leaves exactly as it came; a stub or its redaction takes its place
+                tokens = conv.stub(m.index, reason) if action == "quarantine" else \
+                    conv.chunk(m.index, screened.redaction.data.decode("utf-8", "replace"))  # type: ignore[union-attr]
+                self._compute(live.cache.rollback)
+                self._compute(live.cache.stage, tokens)
+                self._compute(live.cache.commit)
+                return tokens
+            self._compute(live.cache.commit)
+            return m.tokens
+
+    def _decision_input(self, principal: Principal, live: LiveSession, m: RenderedMessage,
+                        verdict: Verdict) -> dict[str, Any]:
+        created = live.record.created_at
+        created = created if created.tzinfo else created.replace(tzinfo=timezone.utc)
+        return {
+            "tenant": principal.tenant, "user": principal.user,
+            "session": {"id": live.record.id, "age_s": (datetime.now(timezone.utc) - created).total_seconds(),
+                        "tokens": len(live.cache) - len(m.tokens)},
+            "tool": m.tool or "unknown",
+            "span": {"bytes": len(m.content), "tokens": len(m.tokens)},
+            "gate": verdict.policy_input(),
+        }
+
+    def _commit(self, turn: Turn) -> None:
+        """The turn's ledger rows in one transaction, then its audit records; then it is committed."""
+        with fails_as("ledger"):
+            turn.write = self.p.ledger.write_turn(turn.session_id, keep=turn.keep, new=[s.row for s in turn.staged])
+        audited = [(s, seg) for s, seg in zip(turn.staged, turn.write.appended) if s.audit is not None]
+        if audited:
+            bodies = [{**s.audit, "segment_id": seg.id, "span": [seg.start, seg.end]} for s, seg in audited]
+            with fails_as("audit"):
+                indices = self.p.audit.append_many(bodies)
+            for (s, _), index in zip(audited, indices):
+                assert s.action is not None
+                s.action.audit_index = index
+        for s, seg in zip(turn.staged, turn.write.appended):
+            if s.action is not None:
+                s.action.segment_id = seg.id
+        turn.committed = True
+
+    # ---- TurnOps: how a turn ends -------------------------------------------------------------
+
+    def drop_generation(self, turn: Turn) -> None:
+        if turn.live.cache.staged:
+            self._compute(turn.live.cache.rollback)
+
+    def restore(self, turn: Turn) -> None:
+        live = turn.live
+        if turn.write is not None:
+            try:
+                self.p.ledger.undo_turn(turn.write)
+                turn.write = None
+            except Exception as exc:  # the next request re-syncs the cache from what the ledger holds
+                log.error("turn.undo_failed", session=turn.session_id, error=f"{type(exc).__name__}: {exc}")
+        try:
+            if live.cache.staged:
+                self._compute(live.cache.rollback)
+            self._sync_cache(live, turn.before)
+        except Exception as exc:  # an empty cache is always consistent: the next turn rebuilds it
+            log.error("turn.cache_reset", session=turn.session_id, error=f"{type(exc).__name__}: {exc}")
+            live.cache = self.p.kernel.new_cache()
+
+    def post_turn(self, turn: Turn) -> list[dict[str, Any]]:
+        erasures = self.p.erasure.post_turn(turn)
+        if self.p.check_invariants:
+            self.p.ledger.check_invariants(turn.session_id, cache_len=len(turn.live.cache))
+        return erasures

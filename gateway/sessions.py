@@ -1,0 +1,159 @@
+"""Sessions resident in memory: their KV caches, their locks, and the salted system-prompt caches.
+
+Every lock here is taken with a timeout: a request that cannot get its session in time answers
+503 with Retry-After instead of parking a worker thread behind a turn that never ends.
+"""
+from __future__ import annotations
+
+import hashlib
+import secrets
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from kvkernel import Kernel, KVCache
+from ledger import Ledger, SessionRecord
+from policies import PolicyEngine, PolicyError, derive_salt
+
+from .chat import Chunk
+from .errors import GatewayError, busy, fails_as, not_found
+from .tenants import Principal
+
+T = TypeVar("T")
+
+
+@dataclass
+class LiveSession:
+    record: SessionRecord
+    cache: KVCache
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    chunks: dict[bytes, Chunk] = field(default_factory=dict)  # last request's renderings (Conversation memo)
+
+    @contextmanager
+    def hold(self, timeout_s: float) -> Iterator["LiveSession"]:
+        """The session's lock for one synchronous block (never across an await or a yield to a client)."""
+        if not self.lock.acquire(timeout=timeout_s):
+            raise busy(f"session {self.record.id}", timeout_s)
+        try:
+            yield self
+        finally:
+            self.lock.release()
+
+
+class PrefixCache:
+    """Salted system-prompt caches: a new session whose salt and system prompt match clones one.
+
+    The salt is an HMAC of the tenancy scope under a server secret, so two tenants with the same
+    prompt never share an entry, and rotating the scope's epoch in Rego retires every entry.
+    """
+
+    def __init__(self, capacity: int = 16) -> None:
+        self._entries: dict[str, KVCache] = {}
+        self._capacity = capacity
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(salt: str, tokens: tuple[int, ...]) -> str:
+        return hashlib.sha256(salt.encode() + b"\0" + repr(tokens).encode()).hexdigest()
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    def get(self, key: str) -> KVCache | None:
+        with self._lock:
+            cache = self._entries.pop(key, None)
+            if cache is None:
+                return None
+            self._entries[key] = cache  # most recently used last
+        return cache.clone()
+
+    def put(self, key: str, cache: KVCache) -> None:
+        clone = cache.clone()
+        with self._lock:
+            self._entries[key] = clone
+            while len(self._entries) > self._capacity:
+                del self._entries[next(iter(self._entries))]
+
+
+class Sessions:
+    """The caller's sessions: tenant scoping, creation with a policy-derived salt, residency."""
+
+    def __init__(self, kernel: Kernel, ledger: Ledger, policy: PolicyEngine, salt_secret: bytes) -> None:
+        self._kernel = kernel
+        self._ledger = ledger
+        self._policy = policy
+        self._salt_secret = salt_secret
+        self._resident: dict[str, LiveSession] = {}
+        self._lock = threading.Lock()
+        self.prefixes = PrefixCache()
+
+    def salt(self, principal: Principal) -> str:
+        """The session's cache salt: Rego names the scope, the server's secret keys the HMAC."""
+        try:
+            with fails_as("policy"):
+                tenancy = self._policy.tenancy({"tenant": principal.tenant, "user": principal.user,
+                                                "public_prefix": False})
+        except GatewayError as err:
+            if not isinstance(err.__cause__, PolicyError):
+                raise
+            raise GatewayError(403, "tenancy_refused",
+                               f"the tenancy policy gives no cache scope for this caller ({err.__cause__}); a tenant "
+                               "scoped per user needs keys made with `lethe key create --user NAME`") from err
+        return derive_salt(self._salt_secret, tenancy)
+
+    def open(self, principal: Principal, session_id: str | None) -> LiveSession:
+        """The caller's session (404 for an unknown id or another tenant's), or a new one."""
+        if principal.tenant is None:
+            raise GatewayError(403, "tenant_required", "chat needs a tenant key; the global admin key has no tenant")
+        if session_id is None:
+            salt = self.salt(principal)
+            with fails_as("ledger"):
+                record = self._ledger.create_session("ses_" + secrets.token_hex(12), principal.tenant,
+                                                     principal.user, salt_scope=salt)
+            return self.resident(record)
+        with self._lock:
+            live = self._resident.get(session_id)
+        if live is not None and live.record.tenant == principal.tenant:
+            return live
+        return self.resident(self.scoped(principal, session_id))
+
+    def scoped(self, principal: Principal, session_id: str) -> SessionRecord:
+        with fails_as("ledger"):
+            record = self._ledger.get_session(session_id, None if principal.is_admin and principal.tenant is None
+                                              else principal.tenant)
+        if record is None:
+            raise not_found("session", session_id)
+        return record
+
+    def resident(self, record: SessionRecord) -> LiveSession:
+        with self._lock:
+            live = self._resident.get(record.id)
+            if live is None:
+                live = LiveSession(record, self._kernel.new_cache())
+                self._resident[record.id] = live
+            return live
+
+    def get(self, session_id: str) -> LiveSession | None:
+        with self._lock:
+            return self._resident.get(session_id)
+
+    def all(self) -> list[LiveSession]:
+        with self._lock:
+            return list(self._resident.values())
+
+
+class Compute:
+    """The model lock: one model serves every session, so kernel calls take turns.
+
+    Reentrant, so that a tool result's whole admission can hold it while the kernel calls inside
+    take it again. Held only inside one synchronous call, never across a yield to a client.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+
+    def __call__(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        with self.lock:
+            return fn(*args, **kwargs)

@@ -1,0 +1,117 @@
+"""One chat turn, from the moment its session is locked to the moment it ends, exactly once.
+
+A turn is one transaction. Admission works on the KV cache and collects the turn's ledger rows
+in memory; `Pipeline.commit` writes them in one ledger transaction and then the turn's audit
+records. Until that commit succeeds, `Turn.end` puts the cache and the ledger back exactly as they
+were. After it, `end` drops the generation and applies what the policy admitted for this turn
+only (exact forgets, amortizations), audited. `end` is the only place that rolls back.
+
+The caller holds the session lock around the whole turn in one synchronous block
+(`Gateway.run_turn`), so no cancellation, disconnect or generator that is never resumed can skip
+`end` or keep the lock.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import structlog
+
+from ledger import NewSegment, Segment, TurnWrite
+
+from .sessions import LiveSession
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class Action:
+    """What happened to one tool result, as reported to the client (indices are the client's)."""
+
+    message_index: int
+    segment_id: str | None
+    tool: str | None
+    action: str
+    reasons: tuple[str, ...]
+    gate: dict[str, Any]
+    audit_index: int | None = None
+    overhead_ms: float = 0.0  # gate + policy + ledger + audit, model compute excluded
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"message_index": self.message_index, "segment_id": self.segment_id, "tool": self.tool,
+                "action": self.action, "reasons": list(self.reasons), "gate": self.gate,
+                "audit_index": self.audit_index, "overhead_ms": round(self.overhead_ms, 3)}
+
+
+@dataclass
+class Staged:
+    """One new message of the turn: the ledger row it will be, and for a tool result its action."""
+
+    row: NewSegment
+    action: Action | None = None
+    stub: tuple[int, ...] = ()  # what an amortize splices in
+    audit: dict[str, Any] | None = None  # the quarantine record's body, less segment id and span
+
+
+@dataclass(frozen=True)
+class PostTurn:
+    """A tool result admitted for this turn only: forgotten or amortized once the reply is out."""
+
+    segment: Segment
+    action: Action
+    stub: tuple[int, ...]
+
+
+@dataclass
+class Turn:
+    live: LiveSession
+    before: list[int]  # the cache's tokens when the turn began: what a rollback restores
+    staged: list[Staged] = field(default_factory=list)
+    keep: int = 0  # conversation segments the request matched; the rest leave the conversation
+    write: TurnWrite | None = None  # the ledger transaction, once written
+    committed: bool = False
+    prompt_tokens: int = 0
+    outcome: str = "open"
+    erasures: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def session_id(self) -> str:
+        return self.live.record.id
+
+    @property
+    def actions(self) -> list[Action]:
+        return [s.action for s in self.staged if s.action is not None]
+
+    def pending(self) -> list[PostTurn]:
+        if self.write is None:
+            return []
+        return [PostTurn(seg, s.action, s.stub) for s, seg in zip(self.staged, self.write.appended)
+                if s.action is not None and s.action.action in ("forget", "amortize")]
+
+    def end(self, outcome: str, ops: "TurnOps") -> list[dict[str, Any]]:
+        """End the turn (once): drop the generation; roll back an uncommitted turn, or run the
+        committed one's post-turn erasures. Returns those erasures."""
+        if self.outcome != "open":
+            return self.erasures
+        self.outcome = outcome
+        try:
+            ops.drop_generation(self)
+        finally:
+            if not self.committed:
+                ops.restore(self)
+                log.info("turn.rolled_back", session=self.session_id, outcome=outcome)
+        if self.committed:
+            self.erasures = ops.post_turn(self)
+            log.info("turn.ended", session=self.session_id, outcome=outcome, erasures=len(self.erasures))
+        return self.erasures
+
+
+class TurnOps(Protocol):
+    def drop_generation(self, turn: Turn) -> None:
+        """Roll the staged generation prompt and the generated tokens out of the cache."""
+
+    def restore(self, turn: Turn) -> None:
+        """Undo the turn's ledger write (if any) and put the cache back to `turn.before`."""
+
+    def post_turn(self, turn: Turn) -> list[dict[str, Any]]:
+        """Forget or amortize what the policy admitted for this turn only, audited."""

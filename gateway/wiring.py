@@ -1,0 +1,211 @@
+"""Start-up and shut-down: the stores, the model loaded in the background, the retention sweeper,
+SIGHUP policy reloads, and a bounded drain of running turns at exit."""
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import signal
+import threading
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+from starlette.concurrency import run_in_threadpool
+
+from audit import AuditLog, Signer
+from gate import Gate, GateError, InjectionProbe
+from kvkernel import Kernel, Model, load_model, named_plan
+from ledger import Ledger
+from policies import PolicyEngine
+
+from .config import Settings
+from .errors import GatewayError
+from .metrics import Metrics
+from .service import Components, Gateway
+from .tenants import TenantStore
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    tenants: TenantStore
+    metrics: Metrics
+    ledger: Ledger
+    audit: AuditLog
+    policy: PolicyEngine
+    gate: Gate
+    turns: ThreadPoolExecutor  # every chat turn runs start to end in one of these threads
+    gateway: Gateway | None = None
+    model: Model | None = None
+    load_error: str | None = None
+    scorer: str | None = None  # what scores injection once the model is in: "stack(probe, byte gate)" | "byte gate"
+    ready: threading.Event = field(default_factory=threading.Event)
+    sweeper: asyncio.Task[None] | None = None
+    sweeps: int = 0  # completed sweeper passes (tests and /metrics read it)
+
+    def require_gateway(self) -> Gateway:
+        if self.gateway is None:
+            detail = f" (model load failed: {self.load_error})" if self.load_error else "; retry shortly"
+            raise GatewayError(503, "not_ready", "the model is still loading" + detail, retry_after=5)
+        return self.gateway
+
+
+def secret_file(path: Path, nbytes: int = 32) -> bytes:
+    """A server-side secret, generated on first run with mode 0600."""
+    if path.exists():
+        return path.read_bytes()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(secrets.token_bytes(nbytes))
+    return path.read_bytes()
+
+
+def open_signer(settings: Settings) -> Signer:
+    if settings.audit_key_pem:
+        return Signer.from_pem(settings.audit_key_pem)
+    return Signer.load_or_create(settings.resolved("audit_key_path", "audit-key.pem"))
+
+
+def build_state(settings: Settings) -> AppState:
+    """Everything but the model: stores, policy, gate. Cheap enough to do before serving."""
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    return AppState(
+        settings=settings,
+        tenants=TenantStore.from_url(settings.db_url, settings.admin_key),
+        metrics=Metrics(),
+        ledger=Ledger(settings.db_url, check_invariants=settings.debug),
+        audit=AuditLog(settings.audit_db_url, open_signer(settings), origin=settings.audit_origin,
+                       batch_size=settings.audit_batch_size),
+        policy=PolicyEngine(settings.policy_dir, backend=settings.policy_backend, opa_url=settings.opa_url,
+                            timeout_s=settings.opa_timeout_s, retries=settings.opa_retries),
+        gate=Gate(gitleaks_config=settings.gitleaks_config),
+        turns=ThreadPoolExecutor(max_workers=settings.max_inflight, thread_name_prefix="turn"),
+    )
+
+
+def load_probe(settings: Settings, model: Model) -> InjectionProbe | None:
+    """The hidden-state injection probe, when enabled; it must have been trained on this very model.
+
+    A probe trained on other weights reads meaningless states, and silently falling back to the
+    byte gate would halve injection recall unnoticed, so an unmatched probe is refused: train one
+    for this model or choose the byte gate alone explicitly (``LETHE_PROBE=false``)."""
+    if not settings.probe:
+        return None
+    probe = InjectionProbe.load(settings.probe_path)
+    if probe.model_identity != model.identity:
+        raise GateError(
+            f"the injection probe {settings.probe_path or 'gate/weights/probe.npz'} was trained on model "
+            f"{probe.model_identity[:16]}…, not on the configured model {model.name} ({model.identity[:16]}…); "
+            f"train one for it with `python -m gate.train.train_probe --model-dir <converted model dir> --out <path>` "
+            f"and set LETHE_PROBE_PATH, or set LETHE_PROBE=false to score injection with the byte gate alone")
+    return probe
+
+
+def kernel_for(settings: Settings, model: Model) -> Kernel:
+    """The kernel with its canonical plan: calibrated (cached under data_dir) or forced by name."""
+    plan = named_plan(settings.kernel_plan) if settings.kernel_plan else None
+    return Kernel(model, tile=settings.tile, plan=plan, plan_dir=settings.data_dir / "kernel-plans")
+
+
+def injection_scorer(probe: InjectionProbe | None) -> str:
+    return "stack(probe, byte gate)" if probe is not None else "byte gate"
+
+
+def attach_model(state: AppState, model: Model) -> None:
+    s = state.settings
+    state.model = model
+    state.gateway = Gateway(Components(
+        model=model, kernel=kernel_for(s, model), ledger=state.ledger, audit=state.audit,
+        policy=state.policy, gate=state.gate, metrics=state.metrics, probe=(probe := load_probe(s, model)),
+        salt_secret=secret_file(s.resolved("salt_secret_path", "salt.key")), witness_mode=s.witness_mode,
+        max_tool_result_bytes=s.max_tool_result_bytes, lock_timeout_s=s.lock_timeout_s, check_invariants=s.debug))
+    state.scorer = injection_scorer(probe)
+    state.metrics.injection_scorer.info({"scorer": state.scorer, "probe_model": probe.model_identity[:16] if probe else ""})
+    state.ready.set()
+    log.info("model.ready", model=model.name, identity=model.identity, device=str(model.device),
+             dtype=str(model.dtype), injection_scorer=state.scorer)
+
+
+def _load_in_background(state: AppState) -> None:
+    s = state.settings
+    try:
+        model = load_model(s.model, cache_dir=s.resolved("model_cache_dir", "models"), device=s.device,
+                           dtype=s.dtype, progress=False)
+        attach_model(state, model)
+    except Exception as exc:  # readiness reports it; the process stays up for /healthz
+        state.load_error = f"{type(exc).__name__}: {exc}"
+        log.error("model.load_failed", error=state.load_error)
+
+
+def record_bundle(state: AppState, actor: str) -> None:
+    """A `policy-bundle` audit record whenever a bundle hash becomes active."""
+    state.audit.append({"kind": "policy-bundle", "actor": actor,
+                        "decision": {"action": "activate", "reasons": [], "bundle_hash": state.policy.bundle_hash}})
+    state.audit.checkpoint()
+
+
+def lifespan(state: AppState, model: Model | None):  # type: ignore[no-untyped-def]
+    @asynccontextmanager
+    async def run(_app: object) -> AsyncIterator[None]:
+        record_bundle(state, "startup")
+        if model is not None:
+            attach_model(state, model)
+        else:
+            threading.Thread(target=_load_in_background, args=(state,), name="model-load", daemon=True).start()
+        state.sweeper = asyncio.create_task(_sweep_forever(state))
+        _install_sighup(state)
+        try:
+            yield
+        finally:
+            state.sweeper.cancel()
+            await shutdown(state)
+    return run
+
+
+async def shutdown(state: AppState) -> None:
+    """Stop running turns and wait for them to end (rolled back or committed), at most the grace period."""
+    grace = state.settings.shutdown_grace_s
+    if state.gateway is not None:
+        drained = await asyncio.to_thread(state.gateway.drain, grace)
+        log.info("shutdown.drained", ok=drained)
+    state.turns.shutdown(wait=False, cancel_futures=True)
+
+
+async def _sweep_forever(state: AppState) -> None:
+    """The retention sweeper: forget what the retention policy says has expired. Busy sessions are
+    skipped until the next pass; a failing pass is logged and the next one runs on time."""
+    while True:
+        await asyncio.sleep(state.settings.retention_sweep_s)
+        if state.gateway is None:
+            continue
+        try:
+            count = await run_in_threadpool(state.gateway.sweep_retention)
+            if count:
+                log.info("retention.swept", segments=count)
+        except Exception as exc:
+            log.error("retention.failed", error=f"{type(exc).__name__}: {exc}")
+        state.sweeps += 1
+
+
+def _install_sighup(state: AppState) -> None:
+    """SIGHUP reloads the policy bundle atomically (main thread only; tests run elsewhere)."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGHUP"):
+        return
+    loop = asyncio.get_running_loop()
+
+    def reload() -> None:
+        try:
+            state.policy.reload()
+            record_bundle(state, "sighup")
+            log.info("policy.reloaded", bundle=state.policy.bundle_hash)
+        except Exception as exc:
+            log.error("policy.reload_failed", error=f"{type(exc).__name__}: {exc}")
+
+    loop.add_signal_handler(signal.SIGHUP, reload)

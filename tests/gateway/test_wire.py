@@ -1,0 +1,98 @@
+"""The wire: ranges validated, every error in the OpenAI shape naming its component, indices that
+are the client's own, and streamed `usage` exactly as OpenAI sends it."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway.demo import WEATHER
+from tests.gateway.conftest import tool_turn
+
+pytestmark = pytest.mark.model
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("field,value", [
+    ("seed", 10**30), ("seed", -1), ("max_tokens", 10**12), ("n", 2),
+    ("stop", ["a", "b", "c", "d", "e"]), ("stop", "x" * 300), ("stop", [""]), ("temperature", 3),
+])
+def test_out_of_range_fields_are_a_422_naming_the_field(live_gateway, field, value):
+    with live_gateway.client() as http:
+        response = http.post("/v1/chat/completions", json={"model": "m", "messages": HI, field: value})
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["param"].startswith(field)
+
+
+@pytest.mark.parametrize("path", ["/v1/audit/records/" + "9" * 40, "/v1/audit/erasures/" + "9" * 40 + "/proof",
+                                  "/v1/audit/records/-1"])
+def test_path_integers_are_bounded(live_gateway, path):
+    with live_gateway.client() as http:
+        response = http.get(path)
+    assert response.status_code == 422 and response.json()["error"]["param"] == "index"
+
+
+def test_unknown_routes_and_audit_404s_use_the_openai_shape(live_gateway):
+    with live_gateway.client() as http:
+        missing = http.get("/v1/nothing-here")
+        record = http.get("/v1/audit/records/999999")
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "invalid_request_error"
+    assert record.status_code == 404 and record.json()["error"]["message"].startswith("audit:")
+
+
+def test_an_unexpected_exception_is_a_500_in_the_openai_shape_logged_once(live_gateway, monkeypatch, capfd):
+    gw = live_gateway.state.gateway
+    monkeypatch.setattr(type(gw), "inspect", lambda *_a, **_k: {}["boom"])
+    with live_gateway.client() as http:
+        sid = http.post("/v1/chat/completions", json={"model": "m", "max_tokens": 1, "messages": HI}
+                        ).headers["x-lethe-session"]
+        capfd.readouterr()
+        response = http.get(f"/v1/sessions/{sid}")
+    assert response.status_code == 500
+    assert response.json()["error"] == {"message": response.json()["error"]["message"], "type": "server_error",
+                                        "code": "gateway_error", "param": None}
+    lines = [json.loads(line) for line in capfd.readouterr().err.splitlines()
+             if line.startswith("{") and "http.unhandled" in line]
+    assert len(lines) == 1 and "KeyError" in lines[0]["traceback"]
+
+
+def test_a_refused_policy_reload_is_a_503_naming_the_policy(live_gateway, monkeypatch):
+    from policies import PolicyEngine, PolicyError
+
+    def refuse(self):
+        raise PolicyError("rego parse error")
+    monkeypatch.setattr(PolicyEngine, "reload", refuse)
+    with live_gateway.client() as http:
+        response = http.post("/v1/admin/policies/reload")
+    assert response.status_code == 503 and response.json()["error"]["code"] == "policy_failed"
+
+
+def test_message_index_is_the_clients_own(live_gateway):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    with live_gateway.client() as http:
+        response = http.post("/v1/chat/completions",
+                             json={"model": "m", "max_tokens": 1, "messages": tool_turn(WEATHER), "tools": tools})
+        big = http.post("/v1/chat/completions", json={"model": "m", "max_tokens": 1, "tools": tools,
+                                                      "messages": tool_turn("y" * 70_000)})
+    assert response.headers["x-lethe-actions"] == "2:allow"
+    assert response.json()["lethe"]["actions"][0]["message_index"] == 2
+    assert big.status_code == 413 and big.json()["error"]["param"] == "messages.2.content"
+
+
+def _events(http, **extra) -> list[dict]:
+    with http.stream("POST", "/v1/chat/completions",
+                     json={"model": "m", "max_tokens": 3, "stream": True, "messages": HI, **extra}) as response:
+        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_streamed_usage_only_when_asked_in_its_own_last_chunk(live_gateway):
+    with live_gateway.client() as http:
+        plain = _events(http)
+        asked = _events(http, stream_options={"include_usage": True})
+    assert all("usage" not in e for e in plain) and plain[-1]["choices"][0]["finish_reason"]
+    assert all("usage" not in e for e in asked[:-1])
+    assert asked[-1]["choices"] == [] and asked[-1]["usage"]["completion_tokens"] >= 1
+    assert asked[-2]["choices"][0]["finish_reason"] in ("stop", "length")
