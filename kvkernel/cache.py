@@ -27,22 +27,24 @@ import hashlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from threading import Lock
 from typing import Any
 
 import structlog
 import torch
 
-from kvkernel.errors import ExactnessError, KernelError, SpanError, StateError
-from kvkernel.forward import Transformer, attention_row_invariance, linear_row_invariance, pin_threads, rope_table
+from kvkernel.calibrate import Calibration, select_plan
+from kvkernel.errors import KernelError, SpanError, StateError
+from kvkernel.forward import Transformer, rope_table
 from kvkernel.model import Model
+from kvkernel.plan import TORCH, Plan, Primitives
 from kvkernel.witness import AmortizeWitness, ForgetWitness, divergence, env_fingerprint, tokens_sha256
 
 log = structlog.get_logger(__name__)
 
 # Part of every witness: bump it whenever the canonical computation (and so the bits) changes.
 # 1.1: decode at M = 2 in the (W x^T)^T form, few-row attention, logits one row at a time.
-KERNEL_VERSION = "kvkernel/1.1 canonical-tiles"
+# 1.2: call shapes from a plan calibrated per machine (the plan's hash is in the provenance).
+KERNEL_VERSION = "kvkernel/1.2 calibrated-plan"
 _INITIAL_CAPACITY = 256
 _WITNESS_MODES = ("full", "deferred", "none")
 
@@ -100,20 +102,30 @@ class Kernel:
 
     version = KERNEL_VERSION
 
-    def __init__(self, model: Model, *, tile: int = 16) -> None:
+    def __init__(self, model: Model, *, tile: int = 16, plan: Plan | None = None, primitives: Primitives = TORCH) -> None:
+        """Load ``model`` and choose its canonical plan: calibrated here, or ``plan`` if forced.
+
+        Either way the plan is verified on this machine before the kernel accepts any token;
+        :class:`~kvkernel.errors.ExactnessError` if it (or, calibrating, every candidate) is not exact.
+        """
         self.model = model
         self.tile = tile
-        self.transformer = Transformer(model, tile)
+        self.calibration: Calibration = select_plan(Transformer(model, tile, plan or Plan("unset"), primitives), forced=plan)
+        self.transformer = Transformer(model, tile, self.calibration.plan, primitives)
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvkernel-witness")
-        self.self_test = _self_test(self)
+
+    @property
+    def plan(self) -> Plan:
+        return self.calibration.plan
 
     def new_cache(self) -> KVCache:
         return KVCache(self)
 
     def provenance(self) -> dict[str, Any]:
-        """The model, device, dtype, kernel version and tile every witness records."""
+        """The model, device, dtype, kernel version, tile and plan hash every witness records."""
         return {"model_identity": self.model.identity, "device": str(self.model.device),
-                "dtype": str(self.model.dtype).removeprefix("torch."), "kernel_version": self.version, "tile": self.tile}
+                "dtype": str(self.model.dtype).removeprefix("torch."), "kernel_version": self.version, "tile": self.tile,
+                "plan_sha256": self.plan.sha256}
 
     def close(self) -> None:
         """Wait for pending deferred witnesses and stop the worker."""
@@ -543,42 +555,3 @@ def _sample(logits: torch.Tensor, cfg: GenerationConfig, gen: torch.Generator) -
 
 def _bytes(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
-
-
-_SELF_TESTS: dict[tuple[str, ...], dict[str, Any]] = {}
-_SELF_TEST_LOCK = Lock()
-
-
-def _self_test(kernel: Kernel) -> dict[str, Any]:
-    """Check chunking invariance on this model and environment once per process; refuse if not.
-
-    Three cheap checks: every linear shape gives identical row bits for each block size used,
-    rows attending alone equal the same rows in a whole tile, and a short sequence prefilled at
-    once equals the same sequence in pieces and token by token.
-    """
-    m = kernel.model
-    pin_threads(kernel.transformer.threads)
-    key = (m.identity, str(m.device), str(m.dtype), str(kernel.tile), env_fingerprint()["sha256"])
-    with _SELF_TEST_LOCK:
-        if key in _SELF_TESTS:
-            return _SELF_TESTS[key]
-        failures = linear_row_invariance(kernel.transformer) + attention_row_invariance(kernel.transformer)
-        gen = torch.Generator().manual_seed(7)
-        n = kernel.tile + 6
-        tokens = torch.randint(0, kernel.transformer.shape.vocab, (n,), generator=gen).tolist()
-        whole = kernel.prefill(tokens)
-        pieces = kernel.prefill(tokens[:3])
-        pieces.extend(tokens[3 : kernel.tile + 2])
-        for t in tokens[kernel.tile + 2 :]:
-            pieces.extend([t])
-        if whole.digest() != pieces.digest():
-            failures.append("a sequence prefilled at once differs from the same sequence in pieces")
-        if failures:
-            raise ExactnessError(
-                "the canonical forward is not chunking-invariant in this environment "
-                f"({'; '.join(failures)}); unset MKL_CBWR / ATEN_CPU_CAPABILITY overrides and use the pinned torch build"
-            )
-        result = {"ok": True, "env": env_fingerprint(), "checked_tokens": n}
-        _SELF_TESTS[key] = result
-        log.info("kvkernel.self_test", ok=True, tile=kernel.tile, model=m.name)
-        return result

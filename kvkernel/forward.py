@@ -5,22 +5,19 @@ and decoding token by token differs again, because CPU matmul and SDPA results d
 shapes of the call. Exact forget needs the K, V and logits at position p to be a pure function of
 ``tokens[0..p]``. This module makes every shape that can influence a row's bits canonical:
 
-* **Linear layers** run on row blocks whose row count M is drawn from a fixed set
-  (:func:`block_plan`). Measured here (MKL SGEMM, 2 threads), a row's result never depends on the
-  other rows' content, and it is the same for every M the plan uses: blocks of up to 16 rows
-  compute ``(W x^T)^T`` (the weight as the GEMM's left operand), which gives the M = 512 bits for
-  every M >= 2, where ``F.linear`` differs below 16; larger blocks use ``F.linear``, which gives
-  the same bits there, except in the MLP's down projection at M = 57..192, which runs in pieces
-  of at most 48 rows. So a decode step runs at M = 2 (one real row, one pad row), not a 16-row
-  tile. :func:`linear_row_invariance` re-checks every M the plan can produce at start-up.
+* **Linear layers** run on row blocks whose row count M is drawn from the fixed set of the
+  :class:`~kvkernel.plan.Plan` calibrated for this machine (:mod:`kvkernel.calibrate`): a row's
+  result never depends on the other rows' content, and it is the same for every M the plan uses,
+  in the GEMM operand form the plan names for that M. So a decode step runs at the plan's
+  smallest M, not a whole tile.
 * **Attention** runs per tile of ``T`` query positions aligned to position 0, always with exactly
   ``T`` query rows (pad rows after the real ones) against keys ``[0, L)`` with an explicit causal
   mask, where ``L`` is the tile's end rounded up to ``KEY_BUCKET``. Tiles sharing ``L`` run as one
   batched call (same bits, fewer calls). A query row's result depends on the call's key length,
-  not on how many query rows share the call, as long as the call's query blocks hold at least 3
-  rows (CPU flash attention splits queries in blocks of 32). So a few new rows (decode, small
-  appends) attend alone, at the same key length, in one call of ``max(3, rows)`` query rows;
-  :func:`attention_row_invariance` re-checks that at start-up.
+  and, above a machine-dependent number of query rows, not on how many query rows share the call
+  (CPU flash attention splits queries in blocks of 32). So where the plan allows it, a few new
+  rows (decode, small appends) attend alone, at the same key length, in one call of at least the
+  plan's minimum rows; otherwise they run as a whole tile.
 * **Logits** of a row are always computed from that row alone (M = 1).
 * **RoPE** reads a per-position cos/sin table (elementwise, so per-position exact) and rotates the
   pre-RoPE key once at its absolute position; a key is never rotated twice.
@@ -31,6 +28,7 @@ the new rows. Nothing here is a debug mode: this is the only forward the kernel 
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,15 +40,8 @@ import torch.nn.functional as F
 
 from kvkernel.errors import ModelError
 from kvkernel.model import Model
+from kvkernel.plan import TORCH, Plan, Primitives
 
-MIN_ROWS = 2  # a GEMM of one row takes another code path (GEMV); single rows get a pad row
-SMALL_BLOCK = 16  # up to this many rows run unpadded (M = rows, at least MIN_ROWS)
-MID_BLOCK = 192  # 17..192 rows pad to a multiple of 16
-DOWN_PIECE = 48  # ...and the down projection runs M = 57..192 in pieces of at most this many rows
-MIN_BIG_BLOCK = 208  # bulk work runs in blocks of 208..512 rows
-MAX_ROWS = 512
-ATTENTION_ROWS = 32  # a call with at most this many query rows is one flash-attention query block
-MIN_ATTENTION_ROWS = 3  # ...and needs at least this many for its rows to match a full tile's
 KEY_BUCKET = 128  # attention key lengths are rounded up to a multiple of this (and of the tile)
 
 
@@ -101,16 +92,19 @@ class Transformer:
     index 0 holds rotated keys, 1 values, 2 pre-RoPE ("raw") keys.
     """
 
-    def __init__(self, model: Model, tile: int) -> None:
+    def __init__(self, model: Model, tile: int, plan: Plan, primitives: Primitives = TORCH) -> None:
         if tile < 1:
             raise ModelError(f"tile must be a positive number of rows, got {tile}")
         if getattr(model.config, "sliding_window", None) and getattr(model.config, "use_sliding_window", True):
             if model.config.sliding_window < model.max_context:
                 raise ModelError("sliding-window attention is not supported; use a checkpoint with sliding_window=null")
         self.tile = tile
+        self.plan = plan
+        self.primitives = primitives
         self.threads = pinned_threads()
         self.key_bucket = -(-KEY_BUCKET // tile) * tile
         self.shape = Shape.of(model.config)
+        self.model_identity = model.identity
         self.device, self.dtype = model.device, model.dtype
         w = model.weights
         self.embed = w["model.embed_tokens.weight"]
@@ -119,6 +113,12 @@ class Transformer:
         self.layers = [self._layer(w, i) for i in range(self.shape.layers)]
         cos, sin = rope_table(model.config, model.max_context, self.shape.head_dim)
         self.cos, self.sin = cos.to(self.device, self.dtype), sin.to(self.device, self.dtype)
+
+    def with_plan(self, plan: Plan) -> Transformer:
+        """The same weights under another plan (shares every tensor; used by calibration)."""
+        other = copy.copy(self)
+        other.plan = plan
+        return other
 
     @staticmethod
     def _layer(w: dict[str, torch.Tensor], i: int) -> Layer:
@@ -148,7 +148,7 @@ class Transformer:
         """
         pin_threads(self.threads)
         out, off = [], 0
-        for rows, m in block_plan(len(tokens)):
+        for rows, m in self.plan.blocks(len(tokens)):
             out.append(self._block(kv, tokens[off : off + rows], start + off, m, capture))
             off += rows
         return torch.cat(out) if out else self.embed.new_zeros(0, self.shape.hidden)
@@ -161,7 +161,7 @@ class Transformer:
         ever needs the last row's logits.
         """
         pin_threads(self.threads)
-        rows = [F.linear(hidden[i : i + 1], self.lm_head) for i in range(hidden.shape[0])]
+        rows = [self.primitives.linear(hidden[i : i + 1], self.lm_head, "linear") for i in range(hidden.shape[0])]
         return torch.cat(rows).float() if rows else hidden.new_zeros(0, self.shape.vocab)
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -181,7 +181,7 @@ class Transformer:
         attend = self._attention_for(start, n)
         q_dim, kv_dim = s.heads * s.head_dim, s.kv_heads * s.head_dim
         for li, layer in enumerate(self.layers):
-            qkv = _linear(_rms_norm(x, layer.attn_norm, s.eps), layer.qkv)
+            qkv = self.linear(_rms_norm(x, layer.attn_norm, s.eps), layer.qkv, "qkv")
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias
             q = qkv[:n, :q_dim].view(n, s.heads, s.head_dim).transpose(0, 1)
@@ -192,12 +192,19 @@ class Transformer:
             kv[1, li, :, rows] = v
             kv[2, li, :, rows] = k
             attn = attend(kv[0, li], kv[1, li], _rotate(q, cos, sin).transpose(0, 1))
-            x = x + _linear(_pad_rows(attn, m), layer.o)
-            gate, up = _linear(_rms_norm(x, layer.mlp_norm, s.eps), layer.gate_up).chunk(2, dim=-1)
-            x = x + _down(F.silu(gate) * up, layer.down)
+            x = x + self.linear(_pad_rows(attn, m), layer.o, "o")
+            gate, up = self.linear(_rms_norm(x, layer.mlp_norm, s.eps), layer.gate_up, "gate_up").chunk(2, dim=-1)
+            x = x + self.linear(F.silu(gate) * up, layer.down, "down")
             if capture is not None and li in capture:
                 capture[li].append(x[:n].clone())
         return _rms_norm(x[:n], self.final_norm, s.eps)
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, projection: str) -> torch.Tensor:
+        """``x @ w.T`` at the block's M, in the plan's form, in the plan's pieces if it names any."""
+        size = self.plan.piece(projection, x.shape[0])
+        if size is not None:
+            return torch.cat([self.linear(piece, w, "") for piece in x.split(size)])
+        return self.primitives.linear(x, w, self.plan.form(x.shape[0]))
 
     def key_length(self, tile_end: int) -> int:
         """The canonical key length of a tile's attention call: its end rounded up to a bucket.
@@ -216,17 +223,18 @@ class Transformer:
         t = self.tile
         groups = self.shape.heads // self.shape.kv_heads
         length = self.key_length(start // t * t + t)
-        if groups * n <= ATTENTION_ROWS and self.key_length((start + n - 1) // t * t + t) == length:
+        alone = self.plan.attention_min_rows is not None and groups * n <= self.plan.attention_max_rows
+        if alone and self.key_length((start + n - 1) // t * t + t) == length:
             return partial(self._attend_rows, mask=self._row_mask(start, n, length))
         return partial(self._attend_tiles, start=start, plan=self._attention_plan(start, n))
 
     def _row_mask(self, start: int, n: int, length: int) -> torch.Tensor:
         """Causal mask ``[1, 1, rows, length]`` for query rows ordered (group, position).
 
-        Pad rows (up to MIN_ATTENTION_ROWS) sit at position 0, so they stay finite.
+        Pad rows (up to the plan's minimum rows) sit at position 0, so they stay finite.
         """
         groups = self.shape.heads // self.shape.kv_heads
-        pos = torch.zeros(max(MIN_ATTENTION_ROWS, groups * n), dtype=torch.long, device=self.device)
+        pos = torch.zeros(max(self.plan.attention_min_rows or 1, groups * n), dtype=torch.long, device=self.device)
         pos[: groups * n] = torch.arange(start, start + n, device=self.device).repeat(groups)
         blocked = torch.arange(length, device=self.device)[None, :] > pos[:, None]
         return torch.zeros(blocked.shape, device=self.device, dtype=self.dtype).masked_fill_(blocked, float("-inf"))[None, None]
@@ -240,7 +248,7 @@ class Transformer:
         qr = q.view(n, s.kv_heads, groups, s.head_dim).permute(1, 2, 0, 3).reshape(s.kv_heads, groups * n, s.head_dim)
         if rows > groups * n:
             qr = torch.cat([qr, qr.new_zeros(s.kv_heads, rows - groups * n, s.head_dim)], dim=1)
-        o = F.scaled_dot_product_attention(qr[None], keys[None, :, :length], values[None, :, :length], attn_mask=mask)
+        o = self.primitives.attention(qr[None], keys[None, :, :length], values[None, :, :length], mask)
         return o[0, :, : groups * n].reshape(s.kv_heads, groups, n, s.head_dim).permute(2, 0, 1, 3).reshape(n, s.heads * s.head_dim)
 
     def _attention_plan(self, start: int, n: int) -> list[tuple[int, int, int, torch.Tensor]]:
@@ -285,7 +293,7 @@ class Transformer:
         for lo, hi, length, mask in plan:
             k = keys[None, :, :length].expand(hi - lo, -1, -1, -1)
             v = values[None, :, :length].expand(hi - lo, -1, -1, -1)
-            outs.append(F.scaled_dot_product_attention(qt[lo:hi], k, v, attn_mask=mask))
+            outs.append(self.primitives.attention(qt[lo:hi], k, v, mask))
         o = torch.cat(outs).view(tiles, s.kv_heads, groups, t, s.head_dim).permute(0, 3, 1, 2, 4)
         return o.reshape(tiles * t, s.heads * s.head_dim)[offset : offset + n]
 
@@ -323,53 +331,6 @@ def rope_table(config: Any, positions: int, head_dim: int, dtype: torch.dtype = 
     return emb.cos() * scaling, emb.sin() * scaling
 
 
-def block_plan(n: int) -> list[tuple[int, int]]:
-    """Split ``n`` rows into (real rows, M) blocks, with M from :func:`block_sizes`.
-
-    Up to 16 rows run unpadded (a single row gets one pad row: M = 1 is a GEMV, other bits);
-    17..192 rows pad to a multiple of 16; more run in blocks of up to 512 rows, M >= 208.
-    """
-    plan = []
-    while n > 0:
-        if n > MID_BLOCK:
-            rows = min(n, MAX_ROWS)
-            m = max(_ceil(rows, 16), MIN_BIG_BLOCK)
-        else:
-            rows = n
-            m = max(n, MIN_ROWS) if n <= SMALL_BLOCK else _ceil(n, 16)
-        plan.append((rows, m))
-        n -= rows
-    return plan
-
-
-def block_sizes() -> list[int]:
-    """Every M that :func:`block_plan` can produce; the start-up check covers each one."""
-    return [*range(MIN_ROWS, SMALL_BLOCK + 1), *range(32, MID_BLOCK + 1, 16), *range(MIN_BIG_BLOCK, MAX_ROWS + 1, 16)]
-
-
-def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T`` in the form whose row bits match across the plan's M (module docstring).
-
-    The small form's result is made contiguous again: elementwise kernels (silu) take a
-    vectorised or a scalar path depending on the innermost extent, so a transposed ``[M, out]``
-    would give M-dependent bits. (For big blocks that copy would cost ~20% of a prefill.)
-    """
-    if x.shape[0] <= SMALL_BLOCK:
-        return (w @ x.T).T.contiguous()
-    return F.linear(x, w)
-
-
-def _down(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The MLP's down projection: M = 57..192 gives other bits, so it runs in pieces of <= 48 rows."""
-    if DOWN_PIECE < x.shape[0] <= MID_BLOCK:
-        return torch.cat([_linear(piece, w) for piece in x.split(DOWN_PIECE)])
-    return _linear(x, w)
-
-
-def _ceil(n: int, q: int) -> int:
-    return -(-n // q) * q
-
-
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Purely elementwise, so a row's bits depend only on its own raw values and position."""
     half = x.shape[-1] // 2
@@ -386,46 +347,3 @@ def _pad_rows(x: torch.Tensor, m: int) -> torch.Tensor:
     if x.shape[0] == m:
         return x
     return torch.cat([x, x.new_zeros(m - x.shape[0], *x.shape[1:])])
-
-
-def linear_row_invariance(transformer: Transformer) -> list[str]:
-    """Check that every linear shape the forward uses gives each row identical bits for each M.
-
-    Returns the failures as readable strings (empty when the environment is exact). Uses layer 0
-    (all layers share shapes) and every M of :func:`block_sizes`, each against M = MAX_ROWS.
-    """
-    pin_threads(transformer.threads)
-    gen = torch.Generator(device="cpu").manual_seed(1234)
-    layer = transformer.layers[0]
-    mats = {"qkv": (layer.qkv, _linear), "o": (layer.o, _linear),
-            "gate_up": (layer.gate_up, _linear), "down": (layer.down, _down)}
-    failures = []
-    for name, (w, matmul) in mats.items():
-        x = torch.randn(MAX_ROWS, w.shape[1], generator=gen).to(transformer.device, transformer.dtype)
-        ref = matmul(x, w)
-        failures += [f"{name}: M={m} rows differ from M={MAX_ROWS}" for m in block_sizes() if not torch.equal(matmul(x[:m], w), ref[:m])]
-    return failures
-
-
-def attention_row_invariance(transformer: Transformer) -> list[str]:
-    """Check that rows attending alone equal the same rows attended in a whole tile.
-
-    Covers one key length below and one above flash attention's 512-key split, for each single
-    position of the last tile and for the largest group of rows that attends alone.
-    """
-    pin_threads(transformer.threads)
-    gen = torch.Generator(device="cpu").manual_seed(4321)
-    s, t = transformer.shape, transformer.tile
-    groups = s.heads // s.kv_heads
-    failures = []
-    for length in (transformer.key_bucket, _ceil(MAX_ROWS + 1, transformer.key_bucket)):
-        keys, values = (torch.randn(s.kv_heads, length, s.head_dim, generator=gen).to(transformer.device, transformer.dtype) for _ in range(2))
-        base = length - t
-        q = torch.randn(t, s.heads, s.head_dim, generator=gen).to(transformer.device, transformer.dtype)
-        whole = transformer._attend_tiles(keys, values, q, start=base, plan=transformer._attention_plan(base, t))
-        pieces = [(i, 1) for i in range(t)] + [(0, max(1, min(t, ATTENTION_ROWS // groups)))]
-        for off, n in pieces:
-            got = transformer._attention_for(base + off, n)(keys, values, q[off : off + n])
-            if not torch.equal(got, whole[off : off + n]):
-                failures.append(f"attention: {n} row(s) at key length {length} differ from a whole tile")
-    return failures

@@ -60,6 +60,7 @@ class Provenance:
     dtype: str
     kernel_version: str
     tile: int
+    plan_sha256: str
     env: dict[str, Any] = field(default_factory=env_fingerprint)
 
 

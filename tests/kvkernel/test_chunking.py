@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvkernel.forward import block_plan, block_sizes
+from kvkernel.plan import AMD, XEON, Plan
 
 
 @st.composite
@@ -43,9 +43,11 @@ def test_real_pieces_and_decode_match_one_shot(real_kernel, real_base, real_toke
     assert pieces.digest() == real_base.digest()
 
 
-def test_block_plan_uses_only_checked_sizes():
+@pytest.mark.parametrize("plan", [XEON, AMD, Plan("fallback", fixed_m=64, attention_min_rows=None)], ids=lambda p: p.name)
+def test_every_block_uses_a_size_the_calibration_checks(plan):
+    sizes = plan.sizes()
     for n in range(1, 700):
-        plan = block_plan(n)
-        assert sum(rows for rows, _ in plan) == n
-        assert all(rows <= m and m in block_sizes() for rows, m in plan)
-        assert all(m == max(rows, 2) for rows, m in plan if rows <= 16), "small blocks are not padded"
+        blocks = plan.blocks(n)
+        assert sum(rows for rows, _ in blocks) == n
+        assert all(rows <= m and m in sizes for rows, m in blocks)
+        assert all(m % plan.small_step == 0 and m >= plan.small_min for rows, m in blocks if rows <= plan.small_max)

@@ -25,11 +25,12 @@ def test_local_checkpoint_must_exist(tmp_path):
         prepare_model(str(tmp_path), cache_dir=tmp_path)
 
 
-def test_tiny_model_is_deterministic_and_self_tested():
+def test_tiny_model_is_deterministic_and_calibrated():
     a, b, c = tiny_random_model(0), tiny_random_model(0), tiny_random_model(1)
     assert a.identity == b.identity != c.identity
     kernel = Kernel(a, tile=8)
-    assert kernel.self_test["ok"] and kernel.self_test["env"]["torch"]
+    assert kernel.calibration.plan is kernel.transformer.plan
+    assert kernel.provenance()["plan_sha256"] == kernel.plan.sha256
     kernel.close()
 
 
