@@ -20,7 +20,8 @@ import sqlalchemy as sa
 
 from deploy.two_replicas import Keys, Scenario, lethe_cli, table, wait_ready
 
-pytestmark = [pytest.mark.model, pytest.mark.postgres, pytest.mark.slow]
+# Two model loads, two kernel calibrations and a restart: minutes on a busy 2-core machine.
+pytestmark = [pytest.mark.model, pytest.mark.postgres, pytest.mark.slow, pytest.mark.timeout(2400)]
 
 PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 PORTS = (18181, 18182)
