@@ -17,7 +17,7 @@ for _ in $(seq 50); do [[ -s "$args" ]] && break; sleep 0.1; done
 build_args=()
 while IFS= read -r line; do build_args+=(--build-arg "$line"); done < "$args"
 started=$SECONDS
-"$docker" build --network host -t "$image" \
+"$docker" build --force-rm --network host -t "$image" \
     --build-arg BASE_IMAGE="${BASE_IMAGE:-local/python:3.11}" --build-arg TORCH_INDEX_URL= \
     "${build_args[@]}" .
 echo "built $image in $((SECONDS - started)) s: $("$docker" image inspect -f '{{.Size}}' "$image" | awk '{printf "%.2f GB", $1/1e9}')"

@@ -7,7 +7,8 @@
 #   local/postgres:15  local/bookworm + Debian's PostgreSQL 15, with an entrypoint that reads the
 #                      same POSTGRES_USER / POSTGRES_PASSWORD / POSTGRES_DB as the postgres image
 #
-# Idempotent: an image that already exists is kept (FORCE=1 rebuilds all). Needs root (debootstrap),
+# Idempotent: an image that exists is kept, unless (for the two built ones) its folder under
+# deploy/images changed since (the image carries the folder's hash as a label). FORCE=1 rebuilds all. Needs root (debootstrap),
 # a running Docker engine and the Debian mirror (DEBIAN_MIRROR, default http://deb.debian.org/debian).
 set -euo pipefail
 
@@ -35,10 +36,12 @@ fi
 for image in python:3.11 postgres:15; do
     name="${image%%:*}"
     step "local/$image: docker build deploy/images/$name"
-    if have "local/$image"; then
-        echo "    present; FORCE=1 rebuilds"
+    context="$(cd "$here/images/$name" && cat -- * | sha256sum | cut -c1-16)"
+    if have "local/$image" && [[ "$("$docker" image inspect -f '{{index .Config.Labels "lethe.context"}}' "local/$image")" == "$context" ]]; then
+        echo "    present and up to date; FORCE=1 rebuilds"
     else
-        "$docker" build --network host -t "local/$image" "$here/images/$name" 2>&1 | sed -u 's/^/    /'
+        "$docker" build --force-rm --network host --label "lethe.context=$context" -t "local/$image" \
+            "$here/images/$name" 2>&1 | sed -u 's/^/    /'
     fi
 done
 

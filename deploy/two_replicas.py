@@ -214,19 +214,21 @@ class Scenario:
         witness = forget["witness"]
         exact = witness["equal"] is True and witness["max_abs_dk"] == witness["max_abs_dv"] == witness["max_abs_dlogits"] == 0
         proof_ok = verify_erasure_proof(proof.json()).ok
-        two = self._inspect(self.r2)
+        two = self._inspect(self.r2)  # the edited cache, no turn since
         stale = self._inspect(self.r1)  # r1 has not touched the session since: its resident cache is old
-        one = self._digest_after(self.r1, self.messages)
+        known = self.messages[:-1]  # what the ledger holds: the last reply has not been sent back yet
+        one = self._digest_after(self.r1, known)
         # a session that never saw the weather report: the same history without that tool result
-        never = [m for m in self.messages if m.get("content") != WEATHER]
         self.session, kept = "", self.session
-        fresh = self._digest_after(self.r1, never)
+        fresh = self._digest_after(self.r1, [m for m in known if m.get("content") != WEATHER])
         self.session = kept
-        ok = exact and proof_ok and two["cache_digest"] == one["cache_digest"] == fresh["cache_digest"]
+        same = two["cache_digest"] == one["cache_digest"] == fresh["cache_digest"]
+        ok = exact and proof_ok and same and two["tokens"] == one["tokens"] == fresh["tokens"]
         return ok, (f"witness max|Δ| K {witness['max_abs_dk']} V {witness['max_abs_dv']} logits "
-                    f"{witness['max_abs_dlogits']}; proof {'ok' if proof_ok else 'FAILED'}; r2 {two['cache_digest'][:12]} "
-                    f"r1 {one['cache_digest'][:12]} never-saw {fresh['cache_digest'][:12]}; r1 before its next "
-                    f"turn still held {stale['tokens']} tokens (r2 {two['tokens']})")
+                    f"{witness['max_abs_dlogits']}; proof {'ok' if proof_ok else 'FAILED'}; {two['tokens']} tokens "
+                    f"r2 {two['cache_digest'][:12]}, r1 {one['tokens']} {one['cache_digest'][:12]}, never-saw "
+                    f"{fresh['tokens']} {fresh['cache_digest'][:12]}; r1 before its next turn still held "
+                    f"{stale['tokens']} tokens")
 
     def _trusted_checkpoint(self) -> Path | None:
         with self._http(self.r1, self.keys.admin) as http:

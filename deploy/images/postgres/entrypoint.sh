@@ -6,7 +6,10 @@ set -eu
 if [ ! -s "$PGDATA/PG_VERSION" ]; then
     pwfile="$(mktemp)"
     printf '%s\n' "${POSTGRES_PASSWORD:?set POSTGRES_PASSWORD}" > "$pwfile"
-    initdb -D "$PGDATA" -U "$POSTGRES_USER" --pwfile="$pwfile" --auth-local=trust --auth-host=scram-sha-256
+    # UTF8 as in the official image: without a locale initdb picks SQL_ASCII, and psycopg then returns
+    # bytes for text (SQLAlchemy fails parsing the server version).
+    initdb -D "$PGDATA" -U "$POSTGRES_USER" --pwfile="$pwfile" --auth-local=trust --auth-host=scram-sha-256 \
+        --encoding=UTF8 --locale=C.UTF-8
     rm -f "$pwfile"
     echo "host all all 0.0.0.0/0 scram-sha-256" >> "$PGDATA/pg_hba.conf"
     echo "host all all ::/0 scram-sha-256" >> "$PGDATA/pg_hba.conf"
