@@ -178,7 +178,7 @@ class Guard:
                 body = await self._read_limited(receive)
                 if body is None:
                     return await self._refuse(send_with_id, too_large)
-                receive = _replay(body)
+                receive = _replay(body, receive)
             heavy = route == "/v1/chat/completions"
             if heavy and self.inflight >= self.max_inflight:
                 return await self._refuse(send_with_id, GatewayError(
@@ -216,13 +216,15 @@ class Guard:
             {"type": "http", "method": "GET", "path": "/", "headers": []}, _no_body, send)
 
 
-def _replay(body: bytes) -> Receive:
+def _replay(body: bytes, channel: Receive) -> Receive:
+    """The body read ahead, then the real channel: a disconnect is reported when it happens, not at
+    once (a made-up disconnect made streamed responses, e.g. GET /v1/audit/export, stop at 0 bytes)."""
     sent = False
 
     async def receive() -> Message:
         nonlocal sent
         if sent:
-            return {"type": "http.disconnect"}
+            return await channel()
         sent = True
         return {"type": "http.request", "body": body, "more_body": False}
     return receive
