@@ -45,7 +45,10 @@ COPY kvkernel kvkernel
 COPY ledger ledger
 COPY audit audit
 COPY policies policies
-RUN pip-install --no-deps . && rm -rf /src/build /src/*.egg-info && lethe prepare
+# The converter writes the weights with mode 0600 (a temporary file renamed); the server runs as
+# `lethe` and only reads them.
+RUN pip-install --no-deps . && rm -rf /src/build /src/*.egg-info \
+ && lethe prepare && chmod -R a+rX /opt/lethe-models
 
 USER lethe
 WORKDIR /var/lib/lethe

@@ -63,9 +63,12 @@ step "docker-compose up"
 up_started=$SECONDS
 for service in gateway-1 gateway-2; do
     id="$("${compose[@]}" ps -q "$service")"
+    port="$([[ $service == gateway-1 ]] && echo "$LETHE_PORT_1" || echo "$LETHE_PORT_2")"
     until [[ "$(docker inspect -f '{{.State.Health.Status}}' "$id")" == healthy ]]; do
         state="$(docker inspect -f '{{.State.Status}} {{.State.Health.Status}}' "$id")"
         [[ "$state" == running* ]] || { echo "$service is $state" >&2; exit 1; }
+        ready="$(curl -s "http://127.0.0.1:$port/readyz" || true)"
+        [[ "$ready" != *'"failed"'* ]] || { echo "$service failed to start: $ready" >&2; exit 1; }
         (( SECONDS - up_started < 900 )) || { echo "$service not healthy after 900 s" >&2; exit 1; }
         sleep 2
     done
