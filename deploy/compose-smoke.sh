@@ -7,12 +7,15 @@
 #                              and deploy/compose.local.yml (Debian PostgreSQL 15, embedded policies)
 #   LETHE_SMOKE_MODE=registry  registry images: docker-compose.yml + docker-compose.override.yml (OPA)
 #   PY                         a Python with this project and the openai SDK installed
+#   LETHE_SMOKE_READY_S        how long a replica may take to turn healthy (default 2400: each start
+#                              calibrates the kernel, minutes on a busy 2-core machine)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 started=$SECONDS
 PY="${PY:-python3}"
 mode="${LETHE_SMOKE_MODE:-local}"
 project="${LETHE_SMOKE_PROJECT:-lethe-smoke}"
+ready_s="${LETHE_SMOKE_READY_S:-2400}"
 case "$mode" in
     local) files=(-f docker-compose.yml -f deploy/compose.local.yml); export LETHE_IMAGE="${LETHE_IMAGE:-lethe-gateway:local}" ;;
     registry) files=(-f docker-compose.yml -f docker-compose.override.yml) ;;
@@ -69,7 +72,7 @@ for service in gateway-1 gateway-2; do
         [[ "$state" == running* ]] || { echo "$service is $state" >&2; exit 1; }
         ready="$(curl -s "http://127.0.0.1:$port/readyz" || true)"
         [[ "$ready" != *'"failed"'* ]] || { echo "$service failed to start: $ready" >&2; exit 1; }
-        (( SECONDS - up_started < 900 )) || { echo "$service not healthy after 900 s" >&2; exit 1; }
+        (( SECONDS - up_started < ready_s )) || { echo "$service not healthy after $ready_s s" >&2; exit 1; }
         sleep 2
     done
     echo "    $service healthy after $((SECONDS - up_started)) s"

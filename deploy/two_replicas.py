@@ -64,7 +64,7 @@ class Keys:
     admin: str  # the global admin key: the full audit export
 
 
-def wait_ready(url: str, timeout_s: float = 900.0, alive: Callable[[], bool] = lambda: True) -> float:
+def wait_ready(url: str, timeout_s: float = 2400.0, alive: Callable[[], bool] = lambda: True) -> float:
     """Poll GET /readyz until 200; returns the seconds waited. Fails fast if the server died."""
     started = time.monotonic()
     while time.monotonic() - started < timeout_s:
