@@ -36,7 +36,7 @@ import httpx
 
 from gateway.demo import CONFIG_FILE, LEAKED_KEY, WEATHER, WEB_PAGE, _call
 
-SECRET_ACTION = "forget"  # the shipped policy: sensitive_action "forget", secrets kept 0 s
+SECRET_ACTION = "redact"  # the shipped policy: the secret is cut out and only the redacted text enters
 
 
 @dataclass
@@ -98,6 +98,7 @@ class Scenario:
     messages: list[dict[str, Any]] = field(default_factory=list)
     session: str = ""
     _last_request: list[dict[str, Any]] = field(default_factory=list)  # turn 3's request, as sent
+    _pinned: Path | None = None  # the audit log's genesis public key (see _pinned_key)
 
     # ---- plumbing ---------------------------------------------------------------------------
 
@@ -181,7 +182,7 @@ class Scenario:
         names = [a["action"] for a in actions]
         ok = (names == ["allow", "quarantine", SECRET_ACTION] and actions[1]["gate"]["injection"] >= 0.5
               and actions[2]["gate"]["secret"] >= 0.5 and states.get("fetch_page") == "quarantined"
-              and states.get("read_file") == "forgotten")
+              and states.get("read_file") == "live" and LEAKED_KEY not in json.dumps(actions))
         return ok, f"actions {names}; segment states {states}; session {self.session}"
 
     def rebuilt_on_r2(self) -> tuple[bool, str]:
@@ -239,8 +240,20 @@ class Scenario:
         path.write_text(response.json()["note"])
         return path
 
+    def _pinned_key(self) -> Path:
+        """The log's genesis key, read once from replica 1 and pinned from then on (trust on first
+        use, as an auditor would keep it): every later verification must chain from it."""
+        if self._pinned is None:
+            with self._http(self.r1, self.keys.admin) as http:
+                response = http.get("/v1/audit/public-key")
+                response.raise_for_status()
+            self._pinned = Path(tempfile.mkstemp(prefix="lethe-audit-key-", suffix=".pem")[1])
+            self._pinned.write_text(response.json()["keys"][0]["public_key_pem"])
+        return self._pinned
+
     def verify_url(self, replica: Replica, trusted: Path | None = None) -> tuple[bool, str]:
-        args = ["audit", "verify", "--url", replica.url, "--api-key", self.keys.admin]
+        args = ["audit", "verify", "--url", replica.url, "--api-key", self.keys.admin,
+                "--public-key", str(self._pinned_key())]
         if trusted is not None:
             args += ["--trusted-checkpoint", str(trusted)]
         done = lethe_cli(*args)
@@ -252,7 +265,7 @@ class Scenario:
             self.export(path)
             text = path.read_text()
             leaked = LEAKED_KEY in text or "Ignore all previous" in text
-            done = lethe_cli("audit", "verify", "--export", str(path))
+            done = lethe_cli("audit", "verify", "--export", str(path), "--public-key", str(self._pinned_key()))
         return done.returncode == 0 and not leaked, f"{len(text)} bytes; " + (
             "TEXT LEAKED into the export; " if leaked else "") + _last_lines(done)
 
