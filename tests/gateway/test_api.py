@@ -80,7 +80,7 @@ def test_invalid_utf8_in_tool_content_is_flagged_not_crashing(live_gateway):
         response = http.post("/v1/chat/completions", content=body.encode(),
                              headers={"Content-Type": "application/json"})
     assert response.status_code == 200, response.text
-    action = response.json()["lethe"]["actions"][0]
+    action = [a for a in response.json()["lethe"]["actions"] if a["channel"] == "tool"][0]
     assert action["gate"]["counts"].get("encoding", 0) >= 1
 
 
