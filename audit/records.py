@@ -33,7 +33,9 @@ __all__ = [
 ]
 
 KINDS = frozenset({"forget", "quarantine", "amortize", "retention-forget", "policy-bundle", "key-rotation",
-                   "redact", "mcp-call", "mcp-result"})  # redact and mcp-* record what was shown, not erasures
+                   "redact", "mcp-call", "mcp-result", "content-erase"})
+# redact and mcp-* record what was shown, not erasures; content-erase records the stored bytes of a
+# segment no longer in any cache (superseded by a history rewrite) deleted: no kernel, no witness
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _TIME = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{6}Z")
