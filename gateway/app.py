@@ -13,6 +13,7 @@ from pydantic import BaseModel, model_validator
 from starlette.exceptions import HTTPException
 
 from audit.api import make_router
+from policies import PolicyError
 from kvkernel import GenerationConfig, Model
 
 from . import __version__
@@ -156,8 +157,18 @@ def create_app(settings: Settings | None = None, *, model: Model | None = None) 
 
     @app.post("/v1/admin/policies/reload")
     def reload_policies(p: Principal = Depends(admin)) -> dict[str, str]:
-        with fails_as("policy"):
+        """Only a global admin key reloads the global bundle (every tenant's policy). A refused
+        bundle (wrongly typed data, a failing activation probe) is a 422 naming the field; the
+        active bundle stays."""
+        if p.tenant is not None:
+            raise GatewayError(403, "global_admin_required",
+                               "reloading the policy bundle changes every tenant's policy; use a global admin key "
+                               "(`lethe key create --admin` without a tenant)")
+        try:
             bundle = state.policy.reload()
+        except PolicyError as err:
+            raise GatewayError(422, "policy_refused",
+                               f"policy reload refused, the active bundle stays: {err}") from err
         with fails_as("audit"):
             record_bundle(state, f"admin:{p.user or p.tenant or '*'}")
         return {"bundle_hash": bundle}

@@ -396,6 +396,8 @@ class Pipeline:
         log.info("tool.admitted", session=live.record.id, tool=m.tool, action=decision.action,
                  injection=round(verdict.injection, 4), secret=round(report.secret, 4),
                  overhead_ms=round(own.seconds * 1e3, 3))
+        if gated.channel != "tool" and decision.action == "allow":
+            action = None  # reported are tool results, and what the gate changed on other channels
         return Staged(row, action, conv.stub(m.index, reason) if decision.action == "amortize" else (), audit)
 
     def _screen(self, principal: Principal, live: LiveSession, m: RenderedMessage, report: GateReport,
