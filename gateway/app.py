@@ -174,7 +174,7 @@ def create_app(settings: Settings | None = None, *, model: Model | None = None) 
         return {"bundle_hash": bundle}
 
     def audit_viewer(p: Principal = Depends(principal)) -> AuditViewer:
-        return p.audit_viewer()
+        return p.audit_viewer(state.require_gateway().sessions.audit_filter(p))
 
     app.include_router(make_router(lambda: state.audit, audit_viewer))
     return app

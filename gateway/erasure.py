@@ -47,6 +47,14 @@ def stored_kind(kind: str, seg: Segment) -> str:
     return CONTENT_ERASE if seg.state is SegmentState.SUPERSEDED else kind
 
 
+def retention_state(seg: Segment) -> str:
+    """The retention policy's `state`: a superseded segment's stored content is kept (and swept)
+    as what it was when it entered, classed by its gate summary."""
+    if seg.state is not SegmentState.SUPERSEDED:
+        return seg.state.value
+    return "quarantined" if seg.meta.get("decision", {}).get("action") == "quarantine" else "live"
+
+
 def actor_of(principal: Principal) -> str:
     who = principal.user or ("admin" if principal.is_admin else "key")
     return f"{principal.tenant or '*'}:{who}"
@@ -225,7 +233,7 @@ class Erasure:
         def ttl_for(record: SessionRecord, seg: Segment) -> float | None:
             sessions[record.id] = record
             return self.policy.retention({"tenant": record.tenant, "tool": seg.tool or "none",
-                                          "state": seg.state.value,
+                                          "state": retention_state(seg),
                                           "gate": _gate_input(seg.meta.get("gate", {}))}).ttl_seconds
 
         count = self._sweep_superseded(now, ttl_for)
@@ -241,11 +249,16 @@ class Erasure:
 
     def _sweep_superseded(self, now: datetime, ttl_for: Any) -> int:
         """Superseded segments (out of the cache after a history rewrite, content still stored)
-        expire like the others: ledger only, no kernel work; one audit record each."""
+        expire like the others: ledger only, no kernel work; one audit record each. A session
+        whose superseded segment was swept re-admits its history from that point on its next
+        turn (the dead segment no longer matches): slower, never less gated."""
         records: dict[str, SessionRecord] = {}
 
         def ttl(record: SessionRecord, seg: Segment) -> float | None:
             records[record.id] = record
+            stored = [d for d in (seg.content_sha256, seg.replacement_sha256) if d]
+            if not any(self.ledger.content.exists(d) for d in stored):
+                return None  # nothing of it is stored any more (forgotten before it was superseded)
             return ttl_for(record, seg)  # type: ignore[no-any-return]
         with fails_as("ledger"):
             swept = self.ledger.sweep_superseded(now, ttl)

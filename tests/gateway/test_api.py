@@ -5,7 +5,7 @@ import hashlib
 
 import pytest
 
-from gateway.demo import WEATHER
+from gateway.demo import WEATHER, WEB_PAGE
 
 pytestmark = pytest.mark.model
 
@@ -117,12 +117,26 @@ def test_cross_tenant_access_is_refused(live_gateway):
     assert gw.session_salt(a) != gw.session_salt(b)
 
 
-def test_erasure_rights_come_from_policy(live_gateway):
-    bob = live_gateway.new_key("demo", user="bob")
-    with live_gateway.client() as alice, live_gateway.client(bob) as http:
-        sid = chat(alice, TOOL_TURN).headers["x-lethe-session"]
-        denied = http.post(f"/v1/sessions/{sid}/forget", json={"span": [0, 1]})
-        assert denied.status_code == 403 and "erasure denied by policy" in denied.json()["error"]["message"]
+def test_another_user_of_the_tenant_cannot_see_or_touch_a_session(live_gateway):
+    """Scope tenant_user (the default): sessions, segments, audit listing, erasure and continuing
+    the session are the owner's; another user of the tenant gets 404 as for another tenant."""
+    owner = live_gateway.new_key("users", user="olga")
+    other = live_gateway.new_key("users", user="bob")
+    boss = live_gateway.new_key("users", user="root", admin=True)
+    with live_gateway.client(owner) as olga, live_gateway.client(other) as bob, live_gateway.client(boss) as admin:
+        poisoned = [*TOOL_TURN[:2], {"role": "tool", "tool_call_id": "c1", "content": WEB_PAGE}]
+        sid = chat(olga, poisoned).headers["x-lethe-session"]  # a quarantine: an audit record of the session
+        assert bob.get(f"/v1/sessions/{sid}").status_code == 404
+        assert bob.get(f"/v1/sessions/{sid}/segments").status_code == 404
+        assert bob.post(f"/v1/sessions/{sid}/forget", json={"span": [0, 1]}).status_code == 404
+        assert chat(bob, [{"role": "user", "content": "hi"}], session=sid).status_code == 404
+        mine = chat(bob, [{"role": "user", "content": "mine"}]).headers["x-lethe-session"]
+        listed = {r["body"].get("session") for r in bob.get("/v1/audit/records", params={"limit": 1000}).json()["records"]}
+        assert sid not in listed
+        assert olga.get(f"/v1/sessions/{sid}/segments").status_code == 200
+        assert admin.get(f"/v1/sessions/{sid}/segments").status_code == 200
+        assert admin.get(f"/v1/sessions/{mine}").status_code == 200
+        assert sid in {r["body"].get("session") for r in admin.get("/v1/audit/records", params={"limit": 1000}).json()["records"]}
 
 
 def test_salted_system_prompt_cache_is_per_scope(live_gateway):
