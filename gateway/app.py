@@ -111,7 +111,18 @@ def create_app(settings: Settings | None = None, *, model: Model | None = None) 
                              "turns_running": state.gateway.running if state.gateway else 0,
                              "retention_sweeps": state.sweeps})
 
-    @app.get("/metrics")
+    def metrics_reader(request: Request) -> None:
+        """Metrics count every tenant's traffic: a global admin key, unless LETHE_METRICS_PUBLIC
+        (for a scraper on a private listener)."""
+        if state.settings.metrics_public:
+            return
+        p = principal(request)
+        if not (p.is_admin and p.tenant is None):
+            raise GatewayError(403, "global_admin_required",
+                               "/metrics counts every tenant's traffic: use a global admin key, or set "
+                               "LETHE_METRICS_PUBLIC=true behind a private listener")
+
+    @app.get("/metrics", dependencies=[Depends(metrics_reader)])
     def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

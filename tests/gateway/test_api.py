@@ -29,7 +29,13 @@ def test_health_ready_models(live_gateway):
         ready = http.get("/readyz").json()
         assert ready["status"] == "ready" and len(ready["identity"]) == 64
         assert http.get("/v1/models").json()["data"][0]["object"] == "model"
-        assert "lethe_requests_total" in http.get("/metrics").text
+        assert http.get("/metrics").status_code == 403  # a tenant admin: metrics count every tenant
+        assert http.get("/no/such/path/1").status_code == 404 and http.get("/no/such/path/2").status_code == 404
+    root = live_gateway.state.tenants.create_key(None, admin=True)
+    with live_gateway.client(root) as admin:
+        text = admin.get("/metrics").text
+    assert "lethe_requests_total" in text and "/no/such" not in text
+    assert 'route="unmatched",status="404"' in text and 'route="/v1/models",status="200"' in text
 
 
 def test_auth_required_and_checked(live_gateway):
