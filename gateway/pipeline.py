@@ -3,8 +3,10 @@
     match     the request's messages against the session's ledger (the reused prefix)
     validate  limits and the context window: before anything is admitted or audited
     sync      the KV cache to the matched prefix
-    admit     plain messages as they are; each tool result through
-              gate -> stage -> probe -> policy -> keep, or roll back to a stub
+    admit     every new message gated first, outside the model lock (adjacent untrusted ones
+              joined); a principal's message the policy allows enters as it is, anything else
+              (tool results, assistant text, tool-call arguments, tool definitions, and what the
+              policy did not allow) through stage -> probe -> policy -> keep, or a stub / its redaction
     commit    the turn's ledger rows in one transaction, then its audit records
     prompt    stage the generation prompt
 
