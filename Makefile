@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: run test
+.PHONY: run test compose-smoke
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -27,3 +27,8 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# Not part of `make test` (it takes minutes and needs a Docker engine): build the images, run the
+# two-replica stack, drive it from the host, tear it down. See README, "Deployment".
+compose-smoke: $(STAMP)
+	PY=$(abspath $(BIN))/python deploy/compose-smoke.sh

@@ -63,12 +63,18 @@ def _merged(findings: Iterable[Finding], kinds: frozenset[str], size: int) -> li
         start, end = max(0, f.byte_start), min(size, f.byte_end)
         if end <= start:
             continue
-        if cuts and start <= cuts[-1].byte_end:
+        if cuts and start <= cuts[-1].byte_end:  # one cut; it is named after its most specific rule
             last = cuts[-1]
-            cuts[-1] = Cut(last.kind, last.rule_id, last.byte_start, max(last.byte_end, end))
+            named = f if _generic(last.rule_id) and not _generic(f.rule_id) else last
+            cuts[-1] = Cut(named.kind, named.rule_id, last.byte_start, max(last.byte_end, end))
         else:
             cuts.append(Cut(f.kind, f.rule_id, start, end))
     return cuts
+
+
+def _generic(rule_id: str) -> bool:
+    """Generic rules (a keyword and an entropy check) name no format; a format rule says more."""
+    return rule_id.startswith("generic")
 
 
 def redact(data: bytes, findings: Iterable[Finding], kinds: Iterable[str]) -> Redaction:

@@ -272,7 +272,7 @@ class Erasure:
         quarantined = [s.id for s in segments if s.state is SegmentState.QUARANTINED]
         retired = self.ledger.retire_content(record.id, quarantined) if quarantined else []
         if retired:  # the stub stays; the withheld content goes (unless other segments hold it)
-            self.append_records([audit_body("retention-forget", record, seg.id, (seg.start, seg.end), seg.n_tokens,
+            self.append_records([audit_body("retention-retire", record, seg.id, (seg.start, seg.end), seg.n_tokens,
                                             seg.content_sha256, seg.meta.get("gate"), seg.meta.get("decision"),
                                             "retention", None) for seg in retired])
         live_segments = [s for s in segments if s.state is not SegmentState.QUARANTINED]

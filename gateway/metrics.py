@@ -22,6 +22,7 @@ class Metrics:
         self.overhead_seconds = Histogram(
             "lethe_tool_overhead_seconds", "Gateway overhead per tool result, model compute excluded", registry=r,
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5))
+        self.turns = Counter("lethe_turns_total", "Chat turns ended, by outcome", ["outcome"], registry=r)
         self.tokens = Counter("lethe_tokens_total", "Tokens processed", ["phase"], registry=r)
         self.tokens_per_second = Gauge("lethe_decode_tokens_per_second", "Last decode speed", registry=r)
         self.kv_bytes = Gauge("lethe_kv_bytes", "KV cache bytes held across sessions", registry=r)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 import unicodedata
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -41,6 +42,12 @@ from .tenants import Principal
 from .turn import Action, Staged, Turn
 
 log = structlog.get_logger(__name__)
+
+# Rows a prefill computes per hold of the model lock. Between pieces the turn checks whether its
+# client left (or the gateway is stopping), and other sessions' turns get the model: a long prompt
+# abandoned by its client stops within one piece instead of running to its end. Pieces give the
+# same bits as one call (the kernel's canonical forward is chunking-invariant).
+PREFILL_PIECE = 512
 
 
 class Stopwatch:
@@ -193,7 +200,7 @@ class Pipeline:
         turn.keep, expected = self._match(live, conv)
         self._validate(conv, turn.keep, len(expected), max_new_tokens, offset)
         with fails_as("kernel"):
-            self._sync_cache(live, expected)
+            self._sync_cache(live, expected, turn.abandoned)
         self._admit(turn, principal, conv, offset, tool_spec)
         self._commit(turn)
         prompt = conv.generation_prompt()
@@ -253,7 +260,8 @@ class Pipeline:
                                f"{self.p.model.max_context}; lower max_tokens, forget segments or start a new session",
                                param="max_tokens")
 
-    def _sync_cache(self, live: LiveSession, expected: list[int]) -> None:
+    def _sync_cache(self, live: LiveSession, expected: list[int],
+                    abandoned: Callable[[], bool] = lambda: False) -> None:
         """Make the cache hold exactly `expected`: keep the common prefix, re-prefill the rest."""
         have = live.cache.tokens
         common = 0
@@ -264,8 +272,16 @@ class Pipeline:
         if common < len(have):
             self._compute(live.cache.truncate, common)
         if common < len(expected):
-            self._compute(live.cache.extend, expected[common:])
-            self.p.metrics.tokens.labels("prefill").inc(len(expected) - common)
+            self._extend(live, expected[common:], abandoned)
+
+    def _extend(self, live: LiveSession, tokens: list[int], abandoned: Callable[[], bool]) -> None:
+        """Prefill `tokens` in pieces of PREFILL_PIECE rows, each under the model lock on its own."""
+        for at in range(0, len(tokens), PREFILL_PIECE):
+            if abandoned():
+                raise GatewayError(503, "turn_cancelled", "the client went away or the gateway is stopping; "
+                                   "this turn was rolled back and nothing of it was kept", retry_after=1)
+            self._compute(live.cache.extend, tokens[at:at + PREFILL_PIECE])
+            self.p.metrics.tokens.labels("prefill").inc(len(tokens[at:at + PREFILL_PIECE]))
 
     def _admit(self, turn: Turn, principal: Principal, conv: Conversation, offset: int, tool_spec: bool) -> None:
         """Every new message is gated, outside the model lock. A principal's own message
@@ -350,8 +366,7 @@ class Pipeline:
             if not len(live.cache) and batch[0].role == "system":  # an empty cache means an empty conversation
                 tokens = tokens[self._warm_start(live, batch[0].tokens):]
             if tokens:
-                self._compute(live.cache.extend, tokens)
-        self.p.metrics.tokens.labels("prefill").inc(len(tokens))
+                self._extend(live, tokens, turn.abandoned)
         turn.staged.extend(rows)
 
     def _warm_start(self, live: LiveSession, system: tuple[int, ...]) -> int:

@@ -104,7 +104,8 @@ class Gateway:
             self._running += 1
         try:
             with live.hold(self.p.lock_timeout_s):
-                turn = Turn(live, before=live.cache.tokens)
+                turn = Turn(live, before=live.cache.tokens,
+                            abandoned=lambda: channel.cancelled() or self.stopping.is_set())
                 outcome = "failed"
                 try:
                     conv = Conversation(self.p.model.tokenizer, conv_messages, memo=live.chunks)
@@ -113,6 +114,7 @@ class Gateway:
                     outcome = self._generate(turn, cfg, channel)
                 finally:
                     turn.end(outcome, self.pipeline)
+                    self.p.metrics.turns.labels(turn.outcome).inc()
                     self.p.metrics.kv_bytes.set(self.kv_bytes())
             return turn
         finally:

@@ -13,6 +13,7 @@ The caller holds the session lock around the whole turn in one synchronous block
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import structlog
@@ -75,6 +76,7 @@ class Turn:
     prompt_tokens: int = 0
     outcome: str = "open"
     erasures: list[dict[str, Any]] = field(default_factory=list)
+    abandoned: Callable[[], bool] = lambda: False  # the client left or the gateway is stopping
 
     @property
     def session_id(self) -> str:

@@ -2,9 +2,10 @@
 timeouts, concurrent turns on one session, and the sweeper and /readyz throughout.
 
 Each attack runs against the real uvicorn server on 127.0.0.1 with real clients (raw sockets,
-httpx). The tenant here has the shipped default policy: a tool result carrying a secret is
-admitted for the turn and forgotten right after it, so "the turn ended" is observable as "the
-secret's content is gone from the ledger, the lock is free, the session answers".
+httpx). The tenant here forgets secrets after the turn (`sensitive_action: "forget"`; the shipped
+default redacts them): a tool result carrying a secret is admitted for the turn and forgotten right
+after it, so "the turn ended" is observable as "the secret's content is gone from the ledger, the
+lock is free, the session answers".
 """
 from __future__ import annotations
 
@@ -12,12 +13,15 @@ import hashlib
 import json
 import socket
 import threading
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
 
 import httpx
 import pytest
 
 from gateway.demo import CONFIG_FILE, LEAKED_KEY
-from tests.gateway.conftest import PORT, raw_request, snapshot, tool_turn, turns_settled, wait_until
+from tests.gateway.conftest import PORT, raw_request, snapshot, tenant_policy, tool_turn, turns_settled, wait_until
 
 pytestmark = pytest.mark.model
 
@@ -34,8 +38,18 @@ def _sha(text: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def strict_key(live_gateway) -> str:
-    return live_gateway.new_key("lifecycle", user="dora")
+def strict_key(live_gateway, tmp_path_factory) -> Iterator[str]:
+    with tenant_policy(live_gateway.state.policy, tmp_path_factory.mktemp("policy"),
+                       {"lifecycle": {"sensitive_action": "forget"}}):
+        yield live_gateway.new_key("lifecycle", user="dora")
+
+
+_TURNS_BEFORE: dict[str, float] = {}  # session -> turns ended (all sessions) once it was opened
+
+
+def _turns_ended(live_gateway) -> float:
+    return sum(s.value for metric in live_gateway.state.metrics.turns.collect() for s in metric.samples
+               if s.name.endswith("_total"))
 
 
 def _new_session(live_gateway, key: str) -> str:
@@ -43,7 +57,10 @@ def _new_session(live_gateway, key: str) -> str:
         response = http.post("/v1/chat/completions", json={"model": "m", "max_tokens": 1,
                                                            "messages": [{"role": "user", "content": "hello"}]})
     assert response.status_code == 200, response.text
-    return response.headers["x-lethe-session"]
+    sid = response.headers["x-lethe-session"]
+    wait_until(lambda: turns_settled(live_gateway), what="the opening turn ending")
+    _TURNS_BEFORE[sid] = _turns_ended(live_gateway)
+    return sid
 
 
 def _secret_body(secret: str, stream: bool, max_tokens: int = 8) -> bytes:
@@ -53,13 +70,14 @@ def _secret_body(secret: str, stream: bool, max_tokens: int = 8) -> bytes:
 
 
 def _assert_turn_ended(live_gateway, key: str, sid: str, secret: str, admitted: bool = True) -> None:
-    """Every turn ended: no lock held, the secret admitted for one turn forgotten (content gone),
-    the ledger tiling the cache, the session usable."""
+    """Every turn ended: no lock held, the secret admitted for one turn forgotten (content gone), or
+    the turn rolled back before admitting it (a client gone during the prefill stops it there), the
+    ledger tiling the cache, the session usable."""
     ledger, sha = live_gateway.state.ledger, _sha(secret)
 
     def ended() -> bool:
-        forgotten = any(s.content_sha256 == sha and s.state.value == "forgotten" for s in ledger.segments(sid))
-        return (forgotten or not admitted) and turns_settled(live_gateway)
+        attacked_turn_ended = _turns_ended(live_gateway) > _TURNS_BEFORE[sid]
+        return (attacked_turn_ended or not admitted) and turns_settled(live_gateway)
     wait_until(ended, what="the turn ending with its secret forgotten")
     assert not ledger.content.exists(sha)
     assert all(s.state.value == "forgotten" for s in ledger.segments(sid) if s.content_sha256 == sha)
@@ -225,7 +243,7 @@ def test_concurrent_turns_on_one_session_all_end(live_gateway, strict_key, secre
     _assert_turn_ended(live_gateway, strict_key, sid, secret)
 
 
-def test_audit_export_streams_its_whole_body_through_the_middleware(live_gateway):
+def test_audit_export_streams_its_whole_body_through_the_middleware(live_gateway, tmp_path):
     from typer.testing import CliRunner
 
     from gateway.cli import app as cli
@@ -235,19 +253,23 @@ def test_audit_export_streams_its_whole_body_through_the_middleware(live_gateway
         export = http.get("/v1/audit/export")  # a bodiless GET: no Content-Length, no Transfer-Encoding
     assert export.status_code == 200 and len(export.content) > 0
     assert json.loads(export.content)["records"]
-    result = CliRunner().invoke(cli, ["audit", "verify", "--url", live_gateway.base, "--api-key", admin])
+    pinned = tmp_path / "audit-public.pem"
+    pinned.write_text(live_gateway.state.audit.keys()[0]["public_key_pem"])  # the root of trust, not the export's
+    result = CliRunner().invoke(cli, ["audit", "verify", "--url", live_gateway.base, "--api-key", admin,
+                                      "--public-key", str(pinned)])
     assert result.exit_code == 0, result.output
 
 
-def test_shutdown_during_a_stream_ends_the_turn_within_the_grace_period(real_model, secret):
+def test_shutdown_during_a_stream_ends_the_turn_within_the_grace_period(real_model, secret, tmp_path):
     from gateway.config import Settings
     from gateway.demo import local_gateway
 
     settings = Settings(max_new_tokens=8, retention_sweep_s=3600, shutdown_grace_s=2.0, log_json=True, debug=True)
-    with local_gateway(settings, model=real_model, port=PORT + 1) as gw:
+    with local_gateway(settings, model=real_model, port=PORT + 1) as gw, ExitStack() as stack:
         state = gw.app.state.lethe
         state.tenants.create_tenant("shutdown")
         key = state.tenants.create_key("shutdown", user="sam")
+        stack.enter_context(tenant_policy(state.policy, tmp_path, {"shutdown": {"sensitive_action": "forget"}}))
         sock = raw_request(PORT + 1, "/v1/chat/completions", _secret_body(secret, True, max_tokens=4000), key=key)
         sock.settimeout(300)
         received = b""
@@ -261,3 +283,27 @@ def test_shutdown_during_a_stream_ends_the_turn_within_the_grace_period(real_mod
         segments = state.ledger.segments(sid)
         assert any(s.content_sha256 == _sha(secret) and s.state.value == "forgotten" for s in segments)
         assert not state.ledger.content.exists(_sha(secret))
+
+
+def test_a_long_prompt_abandoned_by_its_client_stops_prefilling(live_gateway, strict_key):
+    """Found by the red team: a ~6,000-token prompt whose client left after 0.5 s kept its session
+    locked for the whole prefill (a minute here). The prefill now runs in pieces and stops at the
+    next piece once the client is gone: far fewer rows than the prompt are computed, and the session
+    is free and unchanged."""
+    sid = _new_session(live_gateway, strict_key)
+    before = snapshot(live_gateway, sid)
+    prefill = live_gateway.state.metrics.tokens.labels("prefill")
+    counted = prefill._value.get()
+    words = " ".join(f"word{i} and a little more text" for i in range(1200))
+    body = json.dumps({"model": "m", "stream": True, "max_tokens": 4,
+                       "messages": [{"role": "user", "content": "hello"}, {"role": "user", "content": words}]})
+    sock = raw_request(PORT, "/v1/chat/completions", body.encode(), key=strict_key,
+                       headers={"X-Lethe-Session": sid})
+    time.sleep(0.5)
+    sock.close()
+    wait_until(lambda: turns_settled(live_gateway), what="the abandoned turn ending")
+    prompt_tokens = len(live_gateway.state.model.tokenizer.encode(words))
+    assert prefill._value.get() - counted < prompt_tokens / 2, "the abandoned prompt was prefilled to its end"
+    assert snapshot(live_gateway, sid) == before
+    with live_gateway.client(strict_key) as http:
+        assert http.get(f"/v1/sessions/{sid}").status_code == 200

@@ -74,7 +74,7 @@ def test_trust_snippet_and_its_rego_test_hold(tmp_path: Path) -> None:
     assert any(r.name.endswith("test_acme_trusts_fs_read_file_over_mcp") for r in report.results)
     engine = PolicyEngine(bundle)
     base = {"tenant": "acme", "user": "alice", "session": {"id": "s", "age_s": 1, "tokens": 0},
-            "span": {"bytes": 10, "tokens": 3}, "gate": {"injection": 0.85, "secret": 0, "findings": []}}
+            "span": {"bytes": 10, "tokens": 3}, "gate": {"injection": 0.98, "secret": 0, "findings": []}}
     mcp = {"channel": "mcp", "upstream": "fs", "phase": "result"}
     assert engine.decide({**base, **mcp, "tool": "fs__read_file"}).action == "allow"
     assert engine.decide({**base, "tool": "fs__read_file"}).action == "quarantine"  # a chat name gains nothing

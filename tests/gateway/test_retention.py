@@ -64,6 +64,6 @@ def test_expired_quarantine_loses_its_content_but_keeps_its_stub(live_gateway):
         after = http.get(f"/v1/sessions/{sid}/segments").json()["segments"][-1]
         assert after["state"] == "quarantined" and (after["start"], after["end"]) == (quarantined["start"], quarantined["end"])
         assert http.get(f"/v1/sessions/{sid}").json()["cache_digest"] == digest  # the stub stays in the cache
-        records = http.get("/v1/audit/records", params={"session": sid, "kind": "retention-forget"}).json()["records"]
+        records = http.get("/v1/audit/records", params={"session": sid, "kind": "retention-retire"}).json()["records"]
         assert len(records) == 1 and records[0]["body"]["segment_id"] == quarantined["id"]
     assert not gw.p.ledger.content.exists(quarantined["content_sha256"])
