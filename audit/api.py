@@ -30,7 +30,9 @@ class Principal(Protocol):
 
 
 def _visible(record: AuditRecord, who: Principal) -> bool:
-    return who.is_admin or record.body.get("tenant") == who.tenant
+    """Tenant scoping, then the principal's own narrowing (`sees`, e.g. to one user's sessions)."""
+    sees = getattr(who, "sees", None)
+    return (who.is_admin or record.body.get("tenant") == who.tenant) and (sees is None or sees(record.body))
 
 
 def make_router(get_log: Callable[[], AuditLog], principal: Callable[..., Principal]) -> APIRouter:
@@ -63,8 +65,8 @@ def make_router(get_log: Callable[[], AuditLog], principal: Callable[..., Princi
                 raise HTTPException(403, "a tenant key lists only its own tenant's records")
             tenant = who.tenant
         records = log.list(tenant=tenant, session=session, kind=kind, since=since, until=until, limit=limit, after=after)
-        return {
-            "records": [r.to_dict() for r in records],
+        return {  # a page may hold fewer than `limit` visible records: page on with next_after
+            "records": [r.to_dict() for r in records if _visible(r, who)],
             "next_after": records[-1].index if len(records) == limit else None,
         }
 

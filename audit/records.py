@@ -33,9 +33,11 @@ __all__ = [
 ]
 
 # redact and mcp-* record what was shown, not erasures; retention-retire deletes the stored bytes of a
-# quarantined result, which never entered the KV cache (its stub did), so it has no never-saw witness.
+# quarantined result, which never entered the KV cache (its stub did), so it has no never-saw witness;
+# content-erase deletes the stored bytes of a segment no longer in any cache (superseded by a history
+# rewrite): no kernel work, no witness.
 KINDS = frozenset({"forget", "quarantine", "amortize", "retention-forget", "retention-retire", "policy-bundle",
-                   "key-rotation", "redact", "mcp-call", "mcp-result"})
+                   "key-rotation", "redact", "mcp-call", "mcp-result", "content-erase"})
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _TIME = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{6}Z")

@@ -13,6 +13,7 @@ from pydantic import BaseModel, model_validator
 from starlette.exceptions import HTTPException
 
 from audit.api import make_router
+from policies import PolicyError
 from kvkernel import GenerationConfig, Model
 
 from . import __version__
@@ -110,7 +111,18 @@ def create_app(settings: Settings | None = None, *, model: Model | None = None) 
                              "turns_running": state.gateway.running if state.gateway else 0,
                              "retention_sweeps": state.sweeps})
 
-    @app.get("/metrics")
+    def metrics_reader(request: Request) -> None:
+        """Metrics count every tenant's traffic: a global admin key, unless LETHE_METRICS_PUBLIC
+        (for a scraper on a private listener)."""
+        if state.settings.metrics_public:
+            return
+        p = principal(request)
+        if not (p.is_admin and p.tenant is None):
+            raise GatewayError(403, "global_admin_required",
+                               "/metrics counts every tenant's traffic: use a global admin key, or set "
+                               "LETHE_METRICS_PUBLIC=true behind a private listener")
+
+    @app.get("/metrics", dependencies=[Depends(metrics_reader)])
     def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -156,14 +168,24 @@ def create_app(settings: Settings | None = None, *, model: Model | None = None) 
 
     @app.post("/v1/admin/policies/reload")
     def reload_policies(p: Principal = Depends(admin)) -> dict[str, str]:
-        with fails_as("policy"):
+        """Only a global admin key reloads the global bundle (every tenant's policy). A refused
+        bundle (wrongly typed data, a failing activation probe) is a 422 naming the field; the
+        active bundle stays."""
+        if p.tenant is not None:
+            raise GatewayError(403, "global_admin_required",
+                               "reloading the policy bundle changes every tenant's policy; use a global admin key "
+                               "(`lethe key create --admin` without a tenant)")
+        try:
             bundle = state.policy.reload()
+        except PolicyError as err:
+            raise GatewayError(422, "policy_refused",
+                               f"policy reload refused, the active bundle stays: {err}") from err
         with fails_as("audit"):
             record_bundle(state, f"admin:{p.user or p.tenant or '*'}")
         return {"bundle_hash": bundle}
 
     def audit_viewer(p: Principal = Depends(principal)) -> AuditViewer:
-        return p.audit_viewer()
+        return p.audit_viewer(state.require_gateway().sessions.audit_filter(p))
 
     app.include_router(make_router(lambda: state.audit, audit_viewer))
     return app

@@ -36,6 +36,7 @@ class Settings(BaseSettings):
     log_level: str = "info"
     log_json: bool | None = Field(default=None, description="None: JSON unless attached to a terminal")
     debug: bool = Field(default=False, description="check ledger invariants after every operation")
+    metrics_public: bool = Field(default=False, description="serve /metrics without a key (private listener only)")
 
     # storage
     database_url: str | None = Field(default=None, description="ledger + sessions; default sqlite under data_dir")

@@ -13,7 +13,7 @@ from typing import Any
 import structlog
 
 from audit import AuditLog
-from ledger import Ledger, Segment, SegmentState, SessionRecord
+from ledger import ErasureIncomplete, Ledger, Segment, SegmentState, SessionRecord
 from policies import PolicyEngine
 
 from .chat import stub_text
@@ -36,6 +36,23 @@ def audit_body(kind: str, record: SessionRecord, segment_id: str, span: tuple[in
             "span": list(span), "token_count": token_count, "content_sha256": content_sha256, "actor": actor,
             "gate": gate, "decision": decision, "witness": witness}
     return {k: v for k, v in body.items() if v is not None}
+
+
+CONTENT_ERASE = "content-erase"  # stored content of a segment not in the cache: no kernel work, no witness
+
+
+def stored_kind(kind: str, seg: Segment) -> str:
+    """The audit kind of erasing `seg`: a superseded segment holds no cache range, so its erasure
+    is of stored content only and carries no never-saw witness."""
+    return CONTENT_ERASE if seg.state is SegmentState.SUPERSEDED else kind
+
+
+def retention_state(seg: Segment) -> str:
+    """The retention policy's `state`: a superseded segment's stored content is kept (and swept)
+    as what it was when it entered, classed by its gate summary."""
+    if seg.state is not SegmentState.SUPERSEDED:
+        return seg.state.value
+    return "quarantined" if seg.meta.get("decision", {}).get("action") == "quarantine" else "live"
 
 
 def actor_of(principal: Principal) -> str:
@@ -91,12 +108,20 @@ class Erasure:
             result = self._compute(live.cache.forget, spans, witness=self.witness_mode) if spans else None
         elapsed = time.perf_counter() - started
         with fails_as("ledger"):
-            self.ledger.forget(live.record.id, [s.id for s in segments])
+            try:
+                self.ledger.forget(live.record.id, [s.id for s in segments])
+            except ErasureIncomplete as exc:  # rows erased, a copy may remain at rest: sign nothing
+                log.error("forget.incomplete", session=live.record.id, segments=[s.id for s in segments],
+                          error=str(exc))
+                raise GatewayError(503, "ledger_failed",
+                                   f"erasure incomplete in the ledger: {exc}; no audit record was signed, "
+                                   "retry the erasure", retry_after=5) from exc
         self.metrics.erasures.labels(kind).inc(len(segments))
         self.metrics.erasure_seconds.observe(elapsed)
         witness = result.witness.to_dict() if result is not None and result.witness is not None else None
-        records = [self._erasure_record(kind, live.record, s, actor, witness, (decisions or {}).get(s.id))
-                   for s in segments]
+        records = [self._erasure_record(stored_kind(kind, s), live.record, s, actor,
+                                        None if s.state is SegmentState.SUPERSEDED else witness,
+                                        (decisions or {}).get(s.id)) for s in segments]
         if result is not None and result.pending is not None:
             result.pending.add_done_callback(lambda fut: self._append_deferred(records, fut))
             indices: list[int | None] = [None] * len(records)
@@ -173,15 +198,16 @@ class Erasure:
         with fails_as("ledger"):
             everything = self.ledger.segments(session_id)
         alive = [s for s in everything if s.state not in DEAD]
-        if "segment_id" in selector:
+        stored = [s for s in everything if s.state is not SegmentState.FORGOTTEN]  # superseded: out of the
+        if "segment_id" in selector:  # cache but its content still stored, so it can be erased too
             seg = next((s for s in everything if s.id == selector["segment_id"]), None)
             if seg is None:
                 raise not_found("segment", selector["segment_id"])
-            if seg.state in DEAD:
+            if seg.state is SegmentState.FORGOTTEN:
                 raise GatewayError(409, "already_forgotten", f"segment {seg.id} is {seg.state.value}")
             return [seg]
         if "content_sha256" in selector:
-            found = [s for s in alive if s.content_sha256 == selector["content_sha256"]]
+            found = [s for s in stored if s.content_sha256 == selector["content_sha256"]]
             if not found:
                 raise not_found("content", selector["content_sha256"])
             return found
@@ -207,19 +233,40 @@ class Erasure:
         def ttl_for(record: SessionRecord, seg: Segment) -> float | None:
             sessions[record.id] = record
             return self.policy.retention({"tenant": record.tenant, "tool": seg.tool or "none",
-                                          "state": seg.state.value,
+                                          "state": retention_state(seg),
                                           "gate": _gate_input(seg.meta.get("gate", {}))}).ttl_seconds
 
+        count = self._sweep_superseded(now, ttl_for)
         by_session: dict[str, list[Segment]] = {}
         for seg in self.ledger.expired(now, ttl_for):
             by_session.setdefault(seg.session_id, []).append(seg)
-        count = 0
         for session_id, segments in by_session.items():
             try:
                 count += self._expire(sessions[session_id], segments)
             except GatewayError as err:
                 log.warning("retention.skipped", session=session_id, reason=err.code)
         return count
+
+    def _sweep_superseded(self, now: datetime, ttl_for: Any) -> int:
+        """Superseded segments (out of the cache after a history rewrite, content still stored)
+        expire like the others: ledger only, no kernel work; one audit record each. A session
+        whose superseded segment was swept re-admits its history from that point on its next
+        turn (the dead segment no longer matches): slower, never less gated."""
+        records: dict[str, SessionRecord] = {}
+
+        def ttl(record: SessionRecord, seg: Segment) -> float | None:
+            records[record.id] = record
+            stored = [d for d in (seg.content_sha256, seg.replacement_sha256) if d]
+            if not any(self.ledger.content.exists(d) for d in stored):
+                return None  # nothing of it is stored any more (forgotten before it was superseded)
+            return ttl_for(record, seg)  # type: ignore[no-any-return]
+        with fails_as("ledger"):
+            swept = self.ledger.sweep_superseded(now, ttl)
+        if swept:
+            self.append_records([audit_body(CONTENT_ERASE, records[seg.session_id], seg.id, (seg.start, seg.end),
+                                            seg.n_tokens, seg.content_sha256, seg.meta.get("gate"),
+                                            seg.meta.get("decision"), "retention", None) for seg in swept])
+        return len(swept)
 
     def _expire(self, record: SessionRecord, segments: list[Segment]) -> int:
         quarantined = [s.id for s in segments if s.state is SegmentState.QUARANTINED]

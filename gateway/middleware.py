@@ -69,7 +69,7 @@ class Guard:
                 await _refuse(send_with_id, err)
         finally:
             elapsed = time.perf_counter() - started
-            label = _route_label(route)
+            label = _route_label(scope)
             self.metrics.requests.labels(label, str(status)).inc()
             self.metrics.latency.labels(label).observe(elapsed)
             log.info("http.request", method=scope["method"], path=route, status=status, ms=round(elapsed * 1e3, 2))
@@ -121,8 +121,8 @@ async def _no_body() -> Message:
     return {"type": "http.request", "body": b"", "more_body": False}
 
 
-def _route_label(path: str) -> str:
-    parts = path.split("/")
-    if len(parts) > 3 and parts[1:3] in (["v1", "sessions"], ["v1", "audit"]):
-        return "/".join(parts[:3] + ["{id}"] + parts[4:5])
-    return path
+def _route_label(scope: Scope) -> str:
+    """The matched route's template (`/v1/sessions/{session_id}`), never the raw path: one label
+    series per route, however many distinct paths clients send."""
+    route = scope.get("route")
+    return str(getattr(route, "path", "")) or "unmatched"

@@ -3,8 +3,10 @@
     match     the request's messages against the session's ledger (the reused prefix)
     validate  limits and the context window: before anything is admitted or audited
     sync      the KV cache to the matched prefix
-    admit     plain messages as they are; each tool result through
-              gate -> stage -> probe -> policy -> keep, or roll back to a stub
+    admit     every new message gated first, outside the model lock (adjacent untrusted ones
+              joined); a principal's message the policy allows enters as it is, anything else
+              (tool results, assistant text, tool-call arguments, tool definitions, and what the
+              policy did not allow) through stage -> probe -> policy -> keep, or a stub / its redaction
     commit    the turn's ledger rows in one transaction, then its audit records
     prompt    stage the generation prompt
 
@@ -16,6 +18,7 @@ the audit log.
 from __future__ import annotations
 
 import time
+import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -73,12 +76,17 @@ class Verdict:
     report: GateReport
     probe_score: float | None
     injection: float
+    scorer: str = "byte_gate"
 
     @classmethod
-    def of(cls, report: GateReport, probe_score: float | None, probe: InjectionProbe | None) -> "Verdict":
-        if probe is None or probe_score is None:
-            return cls(report, None, report.injection)
-        return cls(report, probe_score, float(probe.combine(probe_score, report.injection)))
+    def of(cls, report: GateReport, probe_score: float | None, probe: InjectionProbe | None,
+           probe_blind: bool = False) -> "Verdict":
+        """`probe_blind`: the gate's evidence is in a reading the probe never saw (text joined across
+        a message boundary, or normalised: fullwidth, soft hyphens), so the byte gate's score and
+        operating point decide; stacking would let the probe's clean reading outvote it."""
+        if probe is None or probe_score is None or probe_blind:
+            return cls(report, probe_score, report.injection)
+        return cls(report, probe_score, float(probe.combine(probe_score, report.injection)), "stack")
 
     @property
     def label(self) -> str:
@@ -93,13 +101,14 @@ class Verdict:
         return found
 
     def policy_input(self) -> dict[str, Any]:
-        scorer = "byte_gate" if self.probe_score is None else "stack"  # each has its own policy threshold
-        return {"injection": self.injection, "secret": self.report.secret, "findings": self.findings(), "scorer": scorer}
+        # each scorer has its own policy threshold
+        return {"injection": self.injection, "secret": self.report.secret, "findings": self.findings(),
+                "scorer": self.scorer}
 
     def summary(self) -> dict[str, Any]:
         summary = {**self.report.summary(), "injection": self.injection}
         if self.probe_score is not None:
-            summary.update(injection_bytes=self.report.injection, probe=self.probe_score)
+            summary.update(injection_bytes=self.report.injection, probe=self.probe_score, scorer=self.scorer)
         return summary
 
     def stub_reason(self, reasons: tuple[str, ...]) -> str:
@@ -110,6 +119,50 @@ class Verdict:
         if any(r.startswith("policy-error") for r in reasons):
             return "policy-error"
         return "policy"
+
+
+PRINCIPAL_CHANNELS = frozenset({"user", "system", "developer"})  # the principal's own words
+
+
+def channel_of(conv: Conversation, m: RenderedMessage, tool_spec: bool) -> str:
+    """The decision policy's `input.channel` of one message."""
+    if m.role == "tool":
+        return "tool"
+    if m.index == 0 and tool_spec:
+        return "tool_definition"  # the system message that carries the request's tools[]
+    if m.role == "assistant" and conv.messages[m.index].tool_calls:
+        return "tool_call_arguments"
+    return m.role
+
+
+def tool_of(conv: Conversation, m: RenderedMessage, channel: str) -> str | None:
+    """The policy's `input.tool`: the answering tool, the called tools, or none on the principal's
+    and the assistant's own text. Names the client asserts (see README, "not done")."""
+    if channel == "tool":
+        return m.tool or "unknown"
+    if channel == "tool_call_arguments":
+        return ",".join(c.function.name for c in conv.messages[m.index].tool_calls or ()) or "unknown"
+    if channel == "tool_definition":
+        return "tools[]"
+    return None
+
+
+def not_normal(content: bytes) -> bool:
+    """Whether the gate's normalised reading differs from what the model reads (NFKC changes the
+    text, or it holds format characters such as soft hyphens or bidi controls)."""
+    text = content.decode("utf-8", "replace")
+    return unicodedata.normalize("NFKC", text) != text or any(unicodedata.category(c) == "Cf" for c in text)
+
+
+@dataclass(frozen=True)
+class Gated:
+    """What the gate and the ledger say about one new message before the policy decides."""
+
+    channel: str
+    tool: str | None
+    report: GateReport
+    quarantined: list[str]
+    probe_blind: bool = False
 
 
 @dataclass
@@ -139,15 +192,16 @@ class Pipeline:
     # ---- prepare: the pipeline, in order ------------------------------------------------------
 
     def prepare(self, turn: Turn, principal: Principal, conv: Conversation, max_new_tokens: int,
-                offset: int) -> None:
+                offset: int, tool_spec: bool = False) -> None:
         """Run the pipeline up to a staged generation prompt. `offset` is how many messages the
-        gateway put before the client's own (a tools note), so reported indices are the client's."""
+        gateway put before the client's own (a tools note), so reported indices are the client's;
+        `tool_spec`: message 0 carries the request's tool definitions."""
         live = turn.live
         turn.keep, expected = self._match(live, conv)
         self._validate(conv, turn.keep, len(expected), max_new_tokens, offset)
         with fails_as("kernel"):
             self._sync_cache(live, expected, turn.abandoned)
-        self._admit(turn, principal, conv, offset)
+        self._admit(turn, principal, conv, offset, tool_spec)
         self._commit(turn)
         prompt = conv.generation_prompt()
         with fails_as("kernel"):
@@ -229,21 +283,81 @@ class Pipeline:
             self._compute(live.cache.extend, tokens[at:at + PREFILL_PIECE])
             self.p.metrics.tokens.labels("prefill").inc(len(tokens[at:at + PREFILL_PIECE]))
 
-    def _admit(self, turn: Turn, principal: Principal, conv: Conversation, offset: int) -> None:
-        batch: list[RenderedMessage] = []
-        for k in range(turn.keep, len(conv.messages)):
-            rendered = conv.message(k)
-            if rendered.role != "tool":
-                batch.append(rendered)
-                continue
-            self._admit_plain(turn, batch)
-            batch = []
+    def _admit(self, turn: Turn, principal: Principal, conv: Conversation, offset: int, tool_spec: bool) -> None:
+        """Every new message is gated, outside the model lock. A principal's own message
+        (user, system, developer) the policy allows enters with the plain batch; anything else
+        goes through the tool path: stage -> probe -> policy -> keep, or a stub / its redaction."""
+        new = [conv.message(k) for k in range(turn.keep, len(conv.messages))]
+        channels = [channel_of(conv, m, tool_spec) for m in new]
+        with fails_as("gate"):
+            reports = self._scan(new, channels)
+            blind = [report.injection > alone.injection or not_normal(m.content)
+                     for m, (report, alone) in zip(new, reports)]
+        quarantined = self._quarantined_hashes(turn.live)
+        batch: list[Staged] = []
+        batch_msgs: list[RenderedMessage] = []
+        for m, channel, (report, _), probe_blind in zip(new, channels, reports, blind):
+            gated = Gated(channel, tool_of(conv, m, channel), report, quarantined, probe_blind)
+            if channel in PRINCIPAL_CHANNELS:
+                plain = self._admit_principal(principal, turn.live, m, gated)
+                if plain is not None:
+                    batch.append(plain)
+                    batch_msgs.append(m)
+                    continue
+            self._admit_plain(turn, batch_msgs, batch)
+            batch, batch_msgs = [], []
             with self.p.compute.lock:  # see _admit_tool
-                turn.staged.append(self._admit_tool(turn, principal, conv, rendered, offset))
-        self._admit_plain(turn, batch)
+                turn.staged.append(self._admit_tool(turn, principal, conv, m, offset, gated))
+        self._admit_plain(turn, batch_msgs, batch)
 
-    def _admit_plain(self, turn: Turn, batch: list[RenderedMessage]) -> None:
-        """Non-tool messages enter as they are: one prefill for the batch, one ledger row each."""
+    def _scan(self, new: list[RenderedMessage], channels: list[str]) -> list[tuple[GateReport, GateReport]]:
+        """The gate's report of each message, and its report of the message alone. A run of adjacent messages that starts at untrusted
+        content (a tool result, an assistant turn, tool definitions or call arguments) and goes on
+        while the message before is untrusted is scored joined (`Gate.scan_joined`), so an
+        instruction split across the boundary is caught on both sides."""
+        reports: list[tuple[GateReport, GateReport]] = []
+        run: list[RenderedMessage] = []
+        for m, channel in zip(new, channels):
+            if run and channels[len(reports) + len(run) - 1] in PRINCIPAL_CHANNELS:
+                reports.extend(self._scan_run(run))
+                run = []
+            if not run and channel in PRINCIPAL_CHANNELS:
+                reports.extend(self._scan_run([m]))
+                continue
+            run.append(m)
+        reports.extend(self._scan_run(run))
+        return reports
+
+    def _scan_run(self, run: list[RenderedMessage]) -> list[tuple[GateReport, GateReport]]:
+        alone = [self.p.gate.scan(m.content, tool=m.tool) for m in run]
+        if len(run) < 2:
+            return list(zip(alone, alone))
+        joined = self.p.gate.scan_joined([m.content for m in run])
+        return [(j if j.injection > a.injection else a, a) for j, a in zip(joined, alone)]
+
+    def _quarantined_hashes(self, live: LiveSession) -> list[str]:
+        """The content hashes of the session's quarantined segments: refused again on any channel."""
+        with fails_as("ledger"):
+            return sorted({s.content_sha256 for s in self.p.ledger.segments(live.record.id)
+                           if s.state is SegmentState.QUARANTINED
+                           or s.meta.get("decision", {}).get("action") == "quarantine"})  # also once superseded
+
+    def _admit_principal(self, principal: Principal, live: LiveSession, m: RenderedMessage,
+                         gated: "Gated") -> Staged | None:
+        """The principal's own message as a plain row when the policy allows it as it is."""
+        verdict = Verdict.of(gated.report, None, None)
+        with fails_as("policy"):
+            decision = self.p.policy.decide(self._decision_input(principal, live, m, verdict, gated))
+            decision = refuse_withheld(self.p.ledger.crossings, principal.tenant or "", m.content_sha256, decision)
+        if decision.action != "allow":
+            return None
+        self.p.metrics.gate_verdicts.labels(verdict.label).inc()
+        meta = {"gate": verdict.summary(), "decision": decision.to_dict(), "channel": gated.channel}
+        return Staged(NewSegment(role=m.role, tool=None, content=m.content, n_tokens=len(m.tokens),
+                                 data_class="secret" if gated.report.secret >= 0.5 else "normal", meta=meta))
+
+    def _admit_plain(self, turn: Turn, batch: list[RenderedMessage], rows: list[Staged]) -> None:
+        """Allowed principal messages enter as they are: one prefill for the batch, one ledger row each."""
         if not batch:
             return
         live = turn.live
@@ -253,8 +367,7 @@ class Pipeline:
                 tokens = tokens[self._warm_start(live, batch[0].tokens):]
             if tokens:
                 self._extend(live, tokens, turn.abandoned)
-        turn.staged.extend(Staged(NewSegment(role=m.role, tool=None, content=m.content, n_tokens=len(m.tokens)))
-                           for m in batch)
+        turn.staged.extend(rows)
 
     def _warm_start(self, live: LiveSession, system: tuple[int, ...]) -> int:
         """Begin an empty session from the salted cache of its system prompt, or seed that cache.
@@ -270,45 +383,49 @@ class Pipeline:
         return len(system)
 
     def _admit_tool(self, turn: Turn, principal: Principal, conv: Conversation, m: RenderedMessage,
-                    offset: int) -> Staged:
+                    offset: int, gated: "Gated") -> Staged:
         """gate -> stage (the probe reads the staged states) -> policy -> keep, or roll back to a stub.
 
-        The caller holds the model lock for the whole admission. On a CPU host the model's
+        The gate ran before, outside the model lock (`_scan`). The caller holds the model lock
+        for the rest of the admission. On a CPU host the model's
         compute saturates every core, so pipeline work run beside another session's forward pass
         only slows both; run between forward passes it costs its own time, ~2 ms.
         """
         live, own = turn.live, Stopwatch()  # own: the gateway's work, model compute excluded
-        with own, fails_as("gate"):
-            report = self.p.gate.scan(m.content, tool=m.tool)
+        report = gated.report
         probe_score = self._stage_scored(live, conv, m, own)
         with own:
-            verdict = Verdict.of(report, probe_score, self.p.probe)
+            verdict = Verdict.of(report, probe_score, self.p.probe, gated.probe_blind)
             with fails_as("policy"):
-                decision = self.p.policy.decide(self._decision_input(principal, live, m, verdict))
-                screened = self._screen(principal, live, m, report, decision)
+                decision = self.p.policy.decide(self._decision_input(principal, live, m, verdict, gated))
+                screened = self._screen(principal, live, m, report, decision, gated)
                 decision = screened.decision
         reason = verdict.stub_reason(decision.reasons)
         tokens = self._decide(live, conv, m, decision.action, reason, screened)
         self.p.metrics.gate_verdicts.labels(verdict.label).inc()
         self.p.metrics.actions.labels(decision.action).inc()
-        action = Action(m.index - offset, None, m.tool, decision.action, decision.reasons, verdict.summary())
+        action = Action(m.index - offset, None, m.tool, decision.action, decision.reasons, verdict.summary(),
+                        channel=gated.channel)
         row, audit = self._admission_rows(principal, live, m, tokens, verdict, screened, reason)
+        row.meta["channel"] = gated.channel
         action.overhead_ms = own.seconds * 1e3
         self.p.metrics.overhead_seconds.observe(own.seconds)
         log.info("tool.admitted", session=live.record.id, tool=m.tool, action=decision.action,
                  injection=round(verdict.injection, 4), secret=round(report.secret, 4),
                  overhead_ms=round(own.seconds * 1e3, 3))
+        if gated.channel != "tool" and decision.action == "allow":
+            action = None  # reported are tool results, and what the gate changed on other channels
         return Staged(row, action, conv.stub(m.index, reason) if decision.action == "amortize" else (), audit)
 
     def _screen(self, principal: Principal, live: LiveSession, m: RenderedMessage, report: GateReport,
-                decision: Any) -> Screened:
+                decision: Any, gated: "Gated") -> Screened:
         """Refuse bytes the MCP proxy withheld from this tenant, then carry out a redact decision.
 
         The redacted bytes' re-scan is the byte gate's alone: the probe read the original's staged
         states, and an injection it flagged there already outranked the redaction (quarantine)."""
         decision = refuse_withheld(self.p.ledger.crossings, principal.tenant or "", m.content_sha256, decision)
         return apply_redact(self.p.gate, self.p.policy, m.content, report, decision,
-                            lambda rescan, _n: self._decision_input(principal, live, m, Verdict.of(rescan, None, None)))
+                            lambda rescan, _n: self._decision_input(principal, live, m, Verdict.of(rescan, None, None), gated))
 
     @staticmethod
     def _admission_rows(principal: Principal, live: LiveSession, m: RenderedMessage, tokens: tuple[int, ...],
@@ -367,14 +484,15 @@ class Pipeline:
             return m.tokens
 
     def _decision_input(self, principal: Principal, live: LiveSession, m: RenderedMessage,
-                        verdict: Verdict) -> dict[str, Any]:
+                        verdict: Verdict, gated: "Gated") -> dict[str, Any]:
         created = live.record.created_at
         created = created if created.tzinfo else created.replace(tzinfo=timezone.utc)
         return {
             "tenant": principal.tenant, "user": principal.user,
             "session": {"id": live.record.id, "age_s": (datetime.now(timezone.utc) - created).total_seconds(),
-                        "tokens": len(live.cache) - len(m.tokens)},
-            "tool": m.tool or "unknown",
+                        "tokens": len(live.cache) - len(m.tokens), "quarantined_hashes": gated.quarantined},
+            "channel": gated.channel, "content_sha256": m.content_sha256,
+            "tool": gated.tool,
             "span": {"bytes": len(m.content), "tokens": len(m.tokens)},
             "gate": verdict.policy_input(),
         }

@@ -109,7 +109,7 @@ class Gateway:
                 outcome = "failed"
                 try:
                     conv = Conversation(self.p.model.tokenizer, conv_messages, memo=live.chunks)
-                    self.pipeline.prepare(turn, principal, conv, cfg.max_new_tokens, offset)
+                    self.pipeline.prepare(turn, principal, conv, cfg.max_new_tokens, offset, tool_spec=bool(tools))
                     channel.prepared(turn)
                     outcome = self._generate(turn, cfg, channel)
                 finally:

@@ -8,8 +8,10 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from typing import Any
 
 from sqlalchemy import Boolean, Column, DateTime, ForeignKey, MetaData, String, Table, create_engine, insert, select
 from sqlalchemy.engine import Engine
@@ -44,9 +46,10 @@ class Principal:
     roles: tuple[str, ...] = field(default=())
     is_admin: bool = False
 
-    def audit_viewer(self) -> "AuditViewer":
-        """Only the global admin sees every tenant's audit records; a tenant admin sees its own."""
-        return AuditViewer(tenant=self.tenant or "", is_admin=self.is_admin and self.tenant is None)
+    def audit_viewer(self, sees: Callable[[dict[str, Any]], bool] | None = None) -> "AuditViewer":
+        """Only the global admin sees every tenant's audit records; a tenant admin sees its own;
+        `sees` narrows a user's view to its own sessions (see Sessions.audit_filter)."""
+        return AuditViewer(tenant=self.tenant or "", is_admin=self.is_admin and self.tenant is None, sees=sees)
 
     def policy_actor(self) -> dict[str, object]:
         roles = list(self.roles) + (["tenant_admin"] if self.is_admin and self.tenant else [])
@@ -57,6 +60,7 @@ class Principal:
 class AuditViewer:
     tenant: str
     is_admin: bool
+    sees: Callable[[dict[str, Any]], bool] | None = None
 
 
 class TenantError(ValueError):

@@ -37,11 +37,13 @@ class Action:
     gate: dict[str, Any]
     audit_index: int | None = None
     overhead_ms: float = 0.0  # gate + policy + ledger + audit, model compute excluded
+    channel: str = "tool"  # the decision policy's input.channel
 
     def to_dict(self) -> dict[str, Any]:
         return {"message_index": self.message_index, "segment_id": self.segment_id, "tool": self.tool,
                 "action": self.action, "reasons": list(self.reasons), "gate": self.gate,
-                "audit_index": self.audit_index, "overhead_ms": round(self.overhead_ms, 3)}
+                "audit_index": self.audit_index, "overhead_ms": round(self.overhead_ms, 3),
+                "channel": self.channel}
 
 
 @dataclass

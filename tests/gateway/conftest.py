@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import time
@@ -20,7 +21,7 @@ from gateway.demo import local_gateway
 from policies import PolicyEngine
 
 
-PORT = 18121  # this suite's loopback port (the gateway's issue number, 12)
+PORT = int(os.environ.get("LETHE_TEST_PORT", "18121"))  # loopback port: issue 12; override per worktree
 
 
 @dataclass

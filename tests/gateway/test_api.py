@@ -5,7 +5,7 @@ import hashlib
 
 import pytest
 
-from gateway.demo import WEATHER
+from gateway.demo import WEATHER, WEB_PAGE
 
 pytestmark = pytest.mark.model
 
@@ -29,7 +29,13 @@ def test_health_ready_models(live_gateway):
         ready = http.get("/readyz").json()
         assert ready["status"] == "ready" and len(ready["identity"]) == 64
         assert http.get("/v1/models").json()["data"][0]["object"] == "model"
-        assert "lethe_requests_total" in http.get("/metrics").text
+        assert http.get("/metrics").status_code == 403  # a tenant admin: metrics count every tenant
+        assert http.get("/no/such/path/1").status_code == 404 and http.get("/no/such/path/2").status_code == 404
+    root = live_gateway.state.tenants.create_key(None, admin=True)
+    with live_gateway.client(root) as admin:
+        text = admin.get("/metrics").text
+    assert "lethe_requests_total" in text and "/no/such" not in text
+    assert 'route="unmatched",status="404"' in text and 'route="/v1/models",status="200"' in text
 
 
 def test_auth_required_and_checked(live_gateway):
@@ -80,7 +86,7 @@ def test_invalid_utf8_in_tool_content_is_flagged_not_crashing(live_gateway):
         response = http.post("/v1/chat/completions", content=body.encode(),
                              headers={"Content-Type": "application/json"})
     assert response.status_code == 200, response.text
-    action = response.json()["lethe"]["actions"][0]
+    action = [a for a in response.json()["lethe"]["actions"] if a["channel"] == "tool"][0]
     assert action["gate"]["counts"].get("encoding", 0) >= 1
 
 
@@ -117,12 +123,26 @@ def test_cross_tenant_access_is_refused(live_gateway):
     assert gw.session_salt(a) != gw.session_salt(b)
 
 
-def test_erasure_rights_come_from_policy(live_gateway):
-    bob = live_gateway.new_key("demo", user="bob")
-    with live_gateway.client() as alice, live_gateway.client(bob) as http:
-        sid = chat(alice, TOOL_TURN).headers["x-lethe-session"]
-        denied = http.post(f"/v1/sessions/{sid}/forget", json={"span": [0, 1]})
-        assert denied.status_code == 403 and "erasure denied by policy" in denied.json()["error"]["message"]
+def test_another_user_of_the_tenant_cannot_see_or_touch_a_session(live_gateway):
+    """Scope tenant_user (the default): sessions, segments, audit listing, erasure and continuing
+    the session are the owner's; another user of the tenant gets 404 as for another tenant."""
+    owner = live_gateway.new_key("users", user="olga")
+    other = live_gateway.new_key("users", user="bob")
+    boss = live_gateway.new_key("users", user="root", admin=True)
+    with live_gateway.client(owner) as olga, live_gateway.client(other) as bob, live_gateway.client(boss) as admin:
+        poisoned = [*TOOL_TURN[:2], {"role": "tool", "tool_call_id": "c1", "content": WEB_PAGE}]
+        sid = chat(olga, poisoned).headers["x-lethe-session"]  # a quarantine: an audit record of the session
+        assert bob.get(f"/v1/sessions/{sid}").status_code == 404
+        assert bob.get(f"/v1/sessions/{sid}/segments").status_code == 404
+        assert bob.post(f"/v1/sessions/{sid}/forget", json={"span": [0, 1]}).status_code == 404
+        assert chat(bob, [{"role": "user", "content": "hi"}], session=sid).status_code == 404
+        mine = chat(bob, [{"role": "user", "content": "mine"}]).headers["x-lethe-session"]
+        listed = {r["body"].get("session") for r in bob.get("/v1/audit/records", params={"limit": 1000}).json()["records"]}
+        assert sid not in listed
+        assert olga.get(f"/v1/sessions/{sid}/segments").status_code == 200
+        assert admin.get(f"/v1/sessions/{sid}/segments").status_code == 200
+        assert admin.get(f"/v1/sessions/{mine}").status_code == 200
+        assert sid in {r["body"].get("session") for r in admin.get("/v1/audit/records", params={"limit": 1000}).json()["records"]}
 
 
 def test_salted_system_prompt_cache_is_per_scope(live_gateway):

@@ -57,15 +57,19 @@ def test_an_unexpected_exception_is_a_500_in_the_openai_shape_logged_once(live_g
     assert len(lines) == 1 and "KeyError" in lines[0]["traceback"]
 
 
-def test_a_refused_policy_reload_is_a_503_naming_the_policy(live_gateway, monkeypatch):
+def test_a_refused_policy_reload_is_a_422_naming_the_field_and_needs_a_global_admin(live_gateway, monkeypatch):
     from policies import PolicyEngine, PolicyError
 
     def refuse(self):
-        raise PolicyError("rego parse error")
+        raise PolicyError("data.lethe.tenants.acme.thresholds.injection must be a number, got string")
     monkeypatch.setattr(PolicyEngine, "reload", refuse)
-    with live_gateway.client() as http:
+    root = live_gateway.state.tenants.create_key(None, admin=True)
+    with live_gateway.client() as tenant_admin, live_gateway.client(root) as http:
+        scoped = tenant_admin.post("/v1/admin/policies/reload")
         response = http.post("/v1/admin/policies/reload")
-    assert response.status_code == 503 and response.json()["error"]["code"] == "policy_failed"
+    assert scoped.status_code == 403 and scoped.json()["error"]["code"] == "global_admin_required"
+    assert response.status_code == 422 and response.json()["error"]["code"] == "policy_refused"
+    assert "thresholds.injection must be a number" in response.json()["error"]["message"]
 
 
 def test_message_index_is_the_clients_own(live_gateway):
