@@ -214,7 +214,7 @@ class Scenario:
             proof.raise_for_status()
         witness = forget["witness"]
         exact = witness["equal"] is True and witness["max_abs_dk"] == witness["max_abs_dv"] == witness["max_abs_dlogits"] == 0
-        proof_ok = verify_erasure_proof(proof.json()).ok
+        proof_ok = verify_erasure_proof(proof.json(), public_key_pem=self._pinned_key().read_text()).ok
         two = self._inspect(self.r2)  # the edited cache, no turn since
         stale = self._inspect(self.r1)  # r1 has not touched the session since: its resident cache is old
         known = self.messages[:-1]  # what the ledger holds: the last reply has not been sent back yet
