@@ -60,7 +60,7 @@ def screenshot() -> list[ImageContent | TextContent]:
 @server.tool()
 def lookup_user(user: str) -> dict[str, str]:
     """Structured output holding a credential in one field."""
-    return {"user": user, "token": "ghp_" + "vF1t8Ck2yQ3nX0sMbLz7aWp4Rj6Ue9Hd2Gk5"}
+    return {"user": user, "token": "ghp_" + "vF1t8Ck2yQ3nX0sMbLz7aWp4Rj6Ue90mQdDC"}  # a valid CRC32 checksum
 
 
 @server.tool()

@@ -250,7 +250,7 @@ def test_credentials_file_is_redacted_and_the_rest_kept(run: dict[str, Any]) -> 
 
 def test_secret_in_structured_content_is_redacted_in_both_representations(run: dict[str, Any]) -> None:
     got = run["structured_secret"]
-    assert got.result.structured_content == {"user": "bob", "token": "[REDACTED:generic_api_key]"}
+    assert got.result.structured_content == {"user": "bob", "token": "[REDACTED:github_token]"}
     assert json.loads(got.texts[0]) == got.result.structured_content
 
 
