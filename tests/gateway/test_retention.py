@@ -26,7 +26,9 @@ def _tool_turn(http, task: str, tool: str, content: str) -> tuple[list[dict], st
 def test_expired_secret_is_forgotten_by_the_sweeper(live_gateway):
     gw = live_gateway.state.gateway
     with live_gateway.client() as http:
-        messages, sid, action = _tool_turn(http, "check the env file", "read_file", CONFIG_FILE)
+        # content unique to this test: blobs are content-addressed, and other tests' sessions on this
+        # shared gateway may hold the plain demo file (their live segments keep its blob)
+        messages, sid, action = _tool_turn(http, "check the env file", "read_file", CONFIG_FILE + "# retention\n")
         assert action == "allow"  # the demo tenant admits secrets
         before = http.get(f"/v1/sessions/{sid}/segments").json()["segments"]
         assert before[-1]["data_class"] == "secret" and before[-1]["state"] == "live"
