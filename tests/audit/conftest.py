@@ -3,18 +3,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
-import sqlalchemy as sa
 
 from audit import AuditLog, Signer
+from tests.conftest import fresh_pg_database
 
-PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 
 
 def forget_witness(span: list[int], tokens: int = 100) -> dict[str, Any]:
@@ -79,18 +77,7 @@ def sqlite_log(sqlite_url: str, signer: Signer) -> Iterator[AuditLog]:
 @pytest.fixture
 def pg_url() -> Iterator[str]:
     """A fresh PostgreSQL database per test (dropped afterwards), so runs never collide."""
-    admin = sa.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as conn:
-            name = f"audit_test_{uuid.uuid4().hex[:12]}"
-            conn.exec_driver_sql(f"CREATE DATABASE {name}")
-    except sa.exc.OperationalError as e:
-        admin.dispose()
-        pytest.skip(f"PostgreSQL at {PG_ADMIN_URL} is unreachable: {e.__class__.__name__}")
-    yield PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-    admin.dispose()
+    yield from fresh_pg_database("audit_test")
 
 
 def _load_forge() -> ModuleType:

@@ -16,14 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import sqlalchemy as sa
 
 from deploy.two_replicas import Keys, Scenario, lethe_cli, table, wait_ready
+from tests.conftest import fresh_pg_database
 
 # Two model loads, two kernel calibrations and a restart: minutes on a busy 2-core machine.
 pytestmark = [pytest.mark.model, pytest.mark.postgres, pytest.mark.slow, pytest.mark.timeout(2400)]
 
-PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 PORTS = (18181, 18182)
 
 
@@ -56,18 +55,7 @@ class ServeProcess:
 @pytest.fixture(scope="module")
 def database() -> Iterator[str]:
     """A fresh database per run, dropped afterwards, so runs never collide."""
-    admin = sa.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    name = f"lethe_replicas_{uuid.uuid4().hex[:12]}"
-    try:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f"CREATE DATABASE {name}")
-    except sa.exc.OperationalError as e:
-        admin.dispose()
-        pytest.skip(f"PostgreSQL at {PG_ADMIN_URL} is unreachable: {e.__class__.__name__}")
-    yield PG_ADMIN_URL.rsplit("/", 1)[0] + f"/{name}"
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-    admin.dispose()
+    yield from fresh_pg_database("lethe_replicas")
 
 
 @pytest.fixture(scope="module")
