@@ -196,6 +196,7 @@ def bench_mcp(clients: int = 8, calls: int = 50, json_out: JsonFlag = False) -> 
     """MCP proxy overhead per tool call beyond the gate's scan: p50/p99 over concurrent clients."""
     from .mcp.bench import run_mcp_bench
 
+    _settings()  # logs to stderr at the configured level: stdout carries only the result
     _report(run_mcp_bench(clients=clients, calls=calls), json_out)
 
 
