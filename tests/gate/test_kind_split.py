@@ -44,7 +44,7 @@ def test_transferred_threshold_comes_from_the_other_folds_negatives() -> None:
     assert out["fpr"] == pytest.approx(0.5, abs=0.02)  # fold B's scores sit above fold A's threshold: it shows
 
 
-@pytest.mark.skipif(not (BIPIA_DIR / "email" / "train.jsonl").is_file(), reason="BIPIA train files not present")
+@pytest.mark.skipif(not (BIPIA_DIR / "email" / "train.jsonl").is_file(), reason=f"BIPIA train files not present at {BIPIA_DIR} (the shared/ folder beside the checkout; CI has it)")
 def test_every_attack_kind_is_one_training_never_sees() -> None:
     from gate.train.kinds import held_out_attacks
 
