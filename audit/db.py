@@ -37,7 +37,7 @@ from sqlalchemy.engine import make_url
 
 from .errors import AuditError
 
-__all__ = ["checkpoints", "keys", "make_engine", "node_id", "nodes", "records", "write_transaction"]
+__all__ = ["checkpoints", "intents", "keys", "make_engine", "node_id", "nodes", "records", "write_transaction"]
 
 metadata = MetaData()
 _INDEX = BigInteger().with_variant(Integer, "sqlite")  # SQLite: INTEGER PRIMARY KEY is the rowid itself
@@ -95,6 +95,15 @@ keys = Table(
     Column("name", String(255), nullable=False),
     Column("public_key_pem", Text, nullable=False),
     Column("from_size", BigInteger, nullable=False),
+)
+
+# The idempotency key of a record appended with `AuditLog.append_keyed` (a relayed ledger intent):
+# written in the record's own transaction, so a retried relay finds it and appends nothing.
+intents = Table(
+    "audit_intents",
+    metadata,
+    Column("key", String(120), primary_key=True),
+    Column("idx", _INDEX, nullable=False),
 )
 
 _WRITE = "lethe_audit_write"

@@ -106,6 +106,28 @@ class AuditLog:
         self._edge_cache = edge  # only after the commit: a rolled-back edge must not be reused
         return indices
 
+    def append_keyed(self, keyed: Sequence[tuple[str, dict]]) -> list[int]:
+        """Append each (key, record) unless a record with that key is in the log already; return
+        each key's index. Exactly once across retries and crashes: the key is stored in the
+        record's own transaction (the relay of a turn's audit intents, gateway/erasure.py)."""
+        if not keyed:
+            return []
+        with db.write_transaction(self._engine) as conn:
+            k = db.intents.c
+            found = dict(conn.execute(select(k.key, k.idx).where(k.key.in_([key for key, _ in keyed]))).all())
+            new = [(key, r) for key, r in keyed if key not in found]
+            if new:
+                size, signed = self._head(conn)
+                now = datetime.now(timezone.utc)
+                indices, edge = self._append_locked(conn, size, [validate(r, now) for _, r in new])
+                conn.execute(insert(db.intents), [{"key": key, "idx": i} for (key, _), i in zip(new, indices)])
+                found.update((key, i) for (key, _), i in zip(new, indices))
+                if edge.size - signed >= self.batch_size:
+                    self._checkpoint_locked(conn, edge)
+        if new:
+            self._edge_cache = edge
+        return [found[key] for key, _ in keyed]
+
     def _append_locked(
         self, conn: Connection, size: int, prepared: Iterable[tuple[dict, bytes]]
     ) -> tuple[list[int], CompactRange]:

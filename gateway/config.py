@@ -87,6 +87,9 @@ class Settings(BaseSettings):
                                   description="wait for a busy session at most this long, then 503 + Retry-After")
     shutdown_grace_s: float = Field(default=10.0, gt=0,
                                     description="at exit, wait at most this long for running turns to end")
+    test_hold_at: Literal["turn-written"] | None = Field(
+        default=None, description="tests only: park every turn at this point (after its ledger write) until its "
+        "client leaves, so a crash test can kill the process there; never set in a deployment")
 
     # the MCP proxy (`lethe mcp`): upstreams as TOML [[mcp_upstreams]] tables or a JSON list in
     # LETHE_MCP_UPSTREAMS, each {name, command: [argv...] | url, env, headers}; `--upstream` adds more

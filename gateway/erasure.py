@@ -3,25 +3,34 @@
 Order of every erasure: kernel, then ledger, then audit. The erasure stands even if the audit
 write then fails (failing toward erasure); the caller gets a 503 naming the audit and the segments
 whose record is missing.
+
+What a turn owes once its ledger rows are written — its audit records, the forgets of what the
+policy admitted for that turn only — is written as intents in the same ledger transaction
+(`turn_intents`), done at the turn's end, and, if the process died first, at the next start-up
+before the gateway turns ready (`settle`). Each audit record of an intent is appended under a key
+(`AuditLog.append_keyed`), so redoing an intent never audits twice. A forget owed by a session
+whose cache died with the process rebuilds the cache from the ledger first, so the kernel still
+forgets and witnesses it.
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any
 
 import structlog
 
 from audit import AuditLog
-from ledger import ErasureIncomplete, Ledger, Segment, SegmentState, SessionRecord
+from ledger import ContentStore, ErasureIncomplete, Intent, Ledger, Segment, SegmentState, SessionRecord
 from policies import PolicyEngine
 
-from .chat import stub_text
+from .chat import ChatMessage, Conversation, stub_text
 from .errors import GatewayError, busy, fails_as, not_found
 from .metrics import Metrics
 from .sessions import LiveSession, Sessions
 from .tenants import Principal
-from .turn import Action, PostTurn, Turn
+from .turn import PostTurn, Staged, Turn
 
 log = structlog.get_logger(__name__)
 
@@ -42,9 +51,10 @@ CONTENT_ERASE = "content-erase"  # stored content of a segment not in the cache:
 
 
 def stored_kind(kind: str, seg: Segment) -> str:
-    """The audit kind of erasing `seg`: a superseded segment holds no cache range, so its erasure
-    is of stored content only and carries no never-saw witness."""
-    return CONTENT_ERASE if seg.state is SegmentState.SUPERSEDED else kind
+    """The audit kind of erasing `seg`: a superseded segment holds no cache range (nor does one the
+    ledger forgot already, when a crash came before its record), so its erasure is of stored
+    content only and carries no never-saw witness."""
+    return CONTENT_ERASE if seg.state in DEAD else kind
 
 
 def retention_state(seg: Segment) -> str:
@@ -64,9 +74,38 @@ def stub_reason_of(seg: Segment) -> str:
     return str(seg.meta.get("stub_reason", "policy"))
 
 
+def segment_tokens(conv: Conversation, k: int, seg: Segment, content: ContentStore) -> tuple[int, ...]:
+    """What segment `seg` (message k of `conv`) holds in the cache: nothing once dead, the stub of a
+    quarantined or amortized result, the redacted text of a redacted one, else the message."""
+    if seg.state in DEAD:
+        return ()
+    if seg.state in (SegmentState.QUARANTINED, SegmentState.AMORTIZED):
+        return conv.stub(k, stub_reason_of(seg))
+    if "redaction" in seg.meta and seg.replacement_sha256:  # only the redacted text ever entered
+        return conv.chunk(k, content.get(seg.replacement_sha256).decode("utf-8", "replace"))
+    return conv.chunk(k)
+
+
+def turn_intents(staged: list[Staged], appended: Sequence[Segment]) -> list[tuple[str, dict[str, Any]]]:
+    """What a turn owes once its rows are written, stored with them: its audit records (quarantine,
+    redact) and the forget of what the policy admitted for this turn only."""
+    records = [{**s.audit, "segment_id": seg.id, "span": [seg.start, seg.end]}
+               for s, seg in zip(staged, appended) if s.audit is not None]
+    forgets = {seg.id: {"action": s.action.action, "reasons": list(s.action.reasons)}
+               for s, seg in zip(staged, appended) if s.action is not None and s.action.action == "forget"}
+    return ([("audit", {"records": records})] if records else []) + \
+        ([("forget", {"segments": list(forgets), "decisions": forgets})] if forgets else [])
+
+
+def intent_keys(intent: Intent, names: Sequence[str]) -> list[str]:
+    """The audit idempotency key of each record an intent owes."""
+    return [f"{intent.id}/{name}" for name in names]
+
+
 class Erasure:
     def __init__(self, *, sessions: Sessions, ledger: Ledger, audit: AuditLog, policy: PolicyEngine,
-                 metrics: Metrics, compute: Any, witness_mode: str, lock_timeout_s: float) -> None:
+                 metrics: Metrics, compute: Any, witness_mode: str, lock_timeout_s: float, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer  # to rebuild a cache from the ledger (`_rebuild`)
         self.sessions = sessions
         self.ledger = ledger
         self.audit = audit
@@ -78,24 +117,100 @@ class Erasure:
 
     # ---- the turn's own erasures --------------------------------------------------------------
 
+    def relay(self, intent: Intent) -> list[int]:
+        """Append the audit records a turn owes (once, keyed), then drop the intent."""
+        records = intent.payload["records"]
+        with fails_as("audit"):
+            indices = self.audit.append_keyed(list(zip(intent_keys(intent, map(str, range(len(records)))), records)))
+        self._done(intent)
+        return indices
+
+    def _done(self, intent: Intent) -> None:
+        """Drop a done intent. Failing here only leaves it to be redone, which its keys make a no-op."""
+        try:
+            self.ledger.intent_done(intent.id)
+        except Exception as exc:
+            log.error("intent.done_failed", intent=intent.id, error=f"{type(exc).__name__}: {exc}")
+
     def post_turn(self, turn: Turn) -> list[dict[str, Any]]:
-        """Forget (exactly) or amortize what the policy admitted for this turn only."""
-        pending = turn.pending()
-        erasures: list[dict[str, Any]] = []
-        forget = [p for p in pending if p.action.action == "forget"]
-        if forget:
-            erasures.append(self.forget(turn.live, [p.segment for p in forget], kind="forget", actor="policy",
-                                        decisions={p.segment.id: p.action for p in forget}))
-        for post in pending:
-            if post.action.action == "amortize":
-                erasures.append(self._amortize(turn.live, post))
-        return erasures
+        """Forget (exactly) what the policy admitted for this turn only (and do whatever else the
+        session still owes from before), or amortize it. The caller holds the session's lock."""
+        return self._settle_session(turn.live) + [self._amortize(turn.live, post) for post in turn.pending()]
+
+    def settle(self) -> int:
+        """Do what turns still owe, session by session under its lock: at start-up (after a crash)
+        and on every sweeper pass. A session busy with a turn is left to that turn's end (its own
+        intents are not owed yet). Returns how many sessions owed something and were settled."""
+        with fails_as("ledger"):
+            sessions = dict.fromkeys(i.session_id for i in self.ledger.pending_intents())
+        done = 0
+        for session_id in sessions:
+            record = self.ledger.get_session(session_id)
+            live = self.sessions.resident(record) if record is not None else None
+            if live is None or not live.lock.acquire(timeout=min(self.lock_timeout_s, 1.0)):
+                continue
+            try:
+                self._settle_session(live)
+                done += 1
+            finally:
+                live.lock.release()
+        if done:
+            log.info("intents.settled", sessions=done)
+        return done
+
+    def _settle_session(self, live: LiveSession) -> list[dict[str, Any]]:
+        """The session's intents, its audit records first; returns the forgets done."""
+        with fails_as("ledger"):
+            owed = sorted(self.ledger.pending_intents(session_id=live.record.id), key=lambda i: i.kind != "audit")
+        forgets = []
+        for intent in owed:
+            if intent.kind == "audit":
+                self.relay(intent)
+            else:
+                forgets.append(self._forget_owed(live, intent))
+        return forgets
+
+    def _forget_owed(self, live: LiveSession, intent: Intent) -> dict[str, Any]:
+        """A forget a turn owes, keyed to its intent. A cache lost with the process is rebuilt from
+        the ledger, so the kernel forgets and witnesses it; if the ledger no longer renders to its
+        own token counts (the model changed), the stored content is erased (`content-erase`)."""
+        with fails_as("ledger"):
+            current = {s.id: s for s in self.ledger.segments(live.record.id)}
+        segments = [current[i] for i in intent.payload["segments"] if i in current]
+        alive = [s for s in segments if s.state not in DEAD and s.n_tokens]
+        if alive and not len(live.cache) and not self._rebuild(live, list(current.values())):
+            return self.forget(live, segments, kind=CONTENT_ERASE, actor="policy", intent=intent)
+        return self.forget(live, segments, kind="forget", actor="policy", decisions=intent.payload["decisions"],
+                           intent=intent)
+
+    def _rebuild(self, live: LiveSession, segments: list[Segment]) -> bool:
+        """Prefill the session's cache with what its ledger says it holds; False (cache left empty)
+        when a segment does not render to its recorded token count."""
+        conversation = [s for s in segments if s.state is not SegmentState.SUPERSEDED]
+        content = self.ledger.content
+        texts = [content.get(s.content_sha256).decode("utf-8", "surrogatepass")
+                 if s.state is SegmentState.LIVE and content.exists(s.content_sha256) else "" for s in conversation]
+        conv = Conversation(self.tokenizer, [ChatMessage(role=s.role, content=t)  # type: ignore[arg-type]
+                                             for s, t in zip(conversation, texts)])
+        tokens: list[int] = []
+        for k, seg in enumerate(conversation):
+            piece = segment_tokens(conv, k, seg, content)
+            if len(piece) != seg.n_tokens:
+                log.error("intent.rebuild_mismatch", session=live.record.id, segment=seg.id,
+                          ledger_tokens=seg.n_tokens, rendered=len(piece))
+                return False
+            tokens.extend(piece)
+        with fails_as("kernel"):
+            self._compute(live.cache.extend, tokens)
+        log.info("intent.cache_rebuilt", session=live.record.id, tokens=len(tokens))
+        return True
 
     # ---- exact forget -------------------------------------------------------------------------
 
     def forget(self, live: LiveSession, segments: list[Segment], *, kind: str, actor: str,
-               decisions: dict[str, Action] | None = None) -> dict[str, Any]:
-        """Exact erasure of whole segments: kernel, then ledger, then one audit record per segment."""
+               decisions: dict[str, dict[str, Any]] | None = None, intent: Intent | None = None) -> dict[str, Any]:
+        """Exact erasure of whole segments: kernel, then ledger, then one audit record per segment
+        (keyed, and the intent dropped after, when it is owed by a turn)."""
         spans = sorted((s.start, s.end) for s in segments if s.n_tokens > 0)
         if spans and not len(live.cache):  # not resident (a restart): the next rebuild skips them anyway
             if kind == "forget":  # but a forget record carries the kernel's never-saw witness
@@ -120,29 +235,32 @@ class Erasure:
         self.metrics.erasure_seconds.observe(elapsed)
         witness = result.witness.to_dict() if result is not None and result.witness is not None else None
         records = [self._erasure_record(stored_kind(kind, s), live.record, s, actor,
-                                        None if s.state is SegmentState.SUPERSEDED else witness,
+                                        None if s.state in DEAD else witness,
                                         (decisions or {}).get(s.id)) for s in segments]
+        keys = intent_keys(intent, [s.id for s in segments]) if intent is not None else None
         if result is not None and result.pending is not None:
-            result.pending.add_done_callback(lambda fut: self._append_deferred(records, fut))
+            result.pending.add_done_callback(lambda fut: self._append_deferred(records, keys, intent, fut))
             indices: list[int | None] = [None] * len(records)
         else:
-            indices = self.append_records(records)
+            indices = self.append_records(records, keys)
+            if intent is not None:
+                self._done(intent)
         log.info("forget.done", session=live.record.id, kind=kind, segments=[s.id for s in segments],
                  spans=spans, ms=round(elapsed * 1e3, 1), equal=witness.get("equal") if witness else None)
         return {"kind": kind, "segments": [s.id for s in segments], "spans": [list(s) for s in spans],
                 "audit_indices": indices, "witness": witness, "latency_ms": round(elapsed * 1e3, 3)}
 
     def _erasure_record(self, kind: str, record: SessionRecord, seg: Segment, actor: str,
-                        witness: dict[str, Any] | None, action: Action | None) -> dict[str, Any]:
-        decision = {"action": action.action, "reasons": list(action.reasons),
-                    "bundle_hash": seg.meta.get("decision", {}).get("bundle_hash")} if action else \
+                        witness: dict[str, Any] | None, decision: dict[str, Any] | None) -> dict[str, Any]:
+        decision = {**decision, "bundle_hash": seg.meta.get("decision", {}).get("bundle_hash")} if decision else \
             seg.meta.get("decision")
         return audit_body(kind, record, seg.id, (seg.start, seg.end), seg.n_tokens, seg.content_sha256,
                           seg.meta.get("gate"), decision, actor, witness)
 
-    def append_records(self, records: list[dict[str, Any]]) -> list[int | None]:
+    def append_records(self, records: list[dict[str, Any]], keys: list[str] | None = None) -> list[int | None]:
         try:
-            indices: list[int | None] = list(self.audit.append_many(records))
+            indices: list[int | None] = list(self.audit.append_keyed(list(zip(keys, records))) if keys is not None
+                                             else self.audit.append_many(records))
             self.audit.checkpoint()
             return indices
         except Exception as exc:
@@ -152,11 +270,14 @@ class Erasure:
                                f"({type(exc).__name__}); check the audit database and retry the erasure call",
                                retry_after=5) from exc
 
-    def _append_deferred(self, records: list[dict[str, Any]], future: Any) -> None:
+    def _append_deferred(self, records: list[dict[str, Any]], keys: list[str] | None, intent: Intent | None,
+                         future: Any) -> None:
         witness = future.result().to_dict()
         for r in records:
-            r["witness"] = witness
-        self.append_records(records)
+            r["witness"] = witness if r["kind"] != CONTENT_ERASE else None
+        self.append_records([{k: v for k, v in r.items() if v is not None} for r in records], keys)
+        if intent is not None:
+            self._done(intent)
 
     def _amortize(self, live: LiveSession, post: PostTurn) -> dict[str, Any]:
         """Leyline splice: the span is replaced by its stub, positions fixed. NOT erasure."""
@@ -168,8 +289,9 @@ class Erasure:
         with fails_as("ledger"):
             self.ledger.amortize(live.record.id, seg.id, len(post.stub), stub_text(stub_reason_of(seg)).encode())
         witness = result.witness.to_dict()
+        decision = {"action": post.action.action, "reasons": list(post.action.reasons)}
         indices = self.append_records([self._erasure_record("amortize", live.record, seg, "policy", witness,
-                                                            post.action)])
+                                                            decision)])
         return {"kind": "amortize", "segments": [seg.id], "audit_indices": indices, "witness": witness,
                 "latency_ms": round(elapsed * 1e3, 3), "erasure": False}
 

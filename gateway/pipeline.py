@@ -7,13 +7,14 @@
               joined); a principal's message the policy allows enters as it is, anything else
               (tool results, assistant text, tool-call arguments, tool definitions, and what the
               policy did not allow) through stage -> probe -> policy -> keep, or a stub / its redaction
-    commit    the turn's ledger rows in one transaction, then its audit records
+    write     the turn's ledger rows in one transaction, with what it owes (audit records, forgets)
     prompt    stage the generation prompt
+    ...       generation (service.py), then at the turn's end:
+    commit    the turn's audit records; then its post-turn forgets (erasure.py)
 
 Nothing here rolls back: a failing step raises (a GatewayError naming its component, via
 `fails_as`), and `Turn.end` — the one place that rolls back — puts the cache and the ledger back
-as they were through `restore`. Until `commit` returns, nothing of the turn is in the ledger or
-the audit log.
+as they were through `restore`. Until `commit` returns, nothing of the turn is in the audit log.
 """
 from __future__ import annotations
 
@@ -29,15 +30,15 @@ import structlog
 from audit import AuditLog
 from gate import Gate, GateReport, InjectionProbe
 from kvkernel import Kernel, Model
-from ledger import Ledger, NewSegment, Segment, SegmentState
+from ledger import Ledger, NewSegment, SegmentState
 from policies import PolicyEngine
 
 from .chat import Conversation, RenderedMessage
 from .errors import GatewayError, fails_as
-from .erasure import DEAD, Erasure, actor_of, audit_body, stub_reason_of
+from .erasure import Erasure, actor_of, audit_body, segment_tokens, turn_intents
 from .metrics import Metrics
 from .screen import Screened, apply_redact, refuse_withheld
-from .sessions import LiveSession, PrefixCache
+from .sessions import Compute, LiveSession, PrefixCache
 from .tenants import Principal
 from .turn import Action, Staged, Turn
 
@@ -166,7 +167,9 @@ class Gated:
 
 
 @dataclass
-class PipelineParts:
+class Components:
+    """The gateway's parts, as wired at start-up (gateway/wiring.py)."""
+
     model: Model
     kernel: Kernel
     ledger: Ledger
@@ -174,20 +177,32 @@ class PipelineParts:
     policy: PolicyEngine
     gate: Gate
     metrics: Metrics
-    probe: InjectionProbe | None
-    prefixes: PrefixCache
-    erasure: Erasure
-    compute: Any  # runs a kernel call under the model lock
-    max_tool_result_bytes: int
-    check_invariants: bool
+    salt_secret: bytes
+    probe: InjectionProbe | None = None
+    witness_mode: str = "full"
+    max_tool_result_bytes: int = 256_000
+    lock_timeout_s: float = 15.0
+    check_invariants: bool = False  # debug and test builds: the ledger must tile the cache exactly
+    hold_at: str | None = None  # tests only: a turn waits at this point (`hold_point`) until it is abandoned
+
+    def hold_point(self, name: str, abandoned: Callable[[], bool]) -> None:
+        """Tests only (LETHE_TEST_HOLD_AT): park the turn at point `name` until its client leaves,
+        so that a test can kill the process exactly there."""
+        if self.hold_at != name:
+            return
+        log.warning("test.holding", point=name)
+        while not abandoned():
+            time.sleep(0.05)
 
 
 class Pipeline:
     """Prepares a turn (everything up to generation) and implements `TurnOps` for its end."""
 
-    def __init__(self, parts: PipelineParts) -> None:
+    def __init__(self, parts: Components, *, prefixes: PrefixCache, erasure: Erasure, compute: Compute) -> None:
         self.p = parts
-        self._compute = parts.compute
+        self.prefixes = prefixes
+        self.erasure = erasure
+        self._compute = compute
 
     # ---- prepare: the pipeline, in order ------------------------------------------------------
 
@@ -202,7 +217,7 @@ class Pipeline:
         with fails_as("kernel"):
             self._sync_cache(live, expected, turn.abandoned)
         self._admit(turn, principal, conv, offset, tool_spec)
-        self._commit(turn)
+        self._write(turn)
         prompt = conv.generation_prompt()
         with fails_as("kernel"):
             self._compute(live.cache.stage, prompt)
@@ -222,21 +237,12 @@ class Pipeline:
             rendered = conv.message(k)
             if (seg.role, seg.content_sha256, seg.tool) != (rendered.role, rendered.content_sha256, rendered.tool):
                 break
-            tokens = self._segment_tokens(conv, k, seg)
+            tokens = segment_tokens(conv, k, seg, self.p.ledger.content)
             if len(tokens) != seg.n_tokens:
                 break  # the template or tokenizer changed: re-prefill from here
             expected.extend(tokens)
             k += 1
         return k, expected
-
-    def _segment_tokens(self, conv: Conversation, k: int, seg: Segment) -> tuple[int, ...]:
-        if seg.state in DEAD:
-            return ()
-        if seg.state in (SegmentState.QUARANTINED, SegmentState.AMORTIZED):
-            return conv.stub(k, stub_reason_of(seg))
-        if "redaction" in seg.meta and seg.replacement_sha256:  # only the redacted text ever entered
-            return conv.chunk(k, self.p.ledger.content.get(seg.replacement_sha256).decode("utf-8", "replace"))
-        return conv.chunk(k)
 
     def _validate(self, conv: Conversation, first: int, matched_tokens: int, max_new_tokens: int,
                   offset: int) -> None:
@@ -249,7 +255,7 @@ class Pipeline:
                 raise GatewayError(413, "tool_result_too_large",
                                    f"messages[{k - offset}] tool result is {len(m.content)} bytes; the limit is "
                                    f"{self.p.max_tool_result_bytes} (LETHE_MAX_TOOL_RESULT_BYTES)",
-                                   param=f"messages.{k - offset}.content")
+                                   param=f"messages[{k - offset}].content")
             new_tokens += len(m.tokens)
         prompt = len(conv.generation_prompt())
         total = matched_tokens + new_tokens + prompt + max_new_tokens
@@ -306,7 +312,7 @@ class Pipeline:
                     continue
             self._admit_plain(turn, batch_msgs, batch)
             batch, batch_msgs = [], []
-            with self.p.compute.lock:  # see _admit_tool
+            with self._compute.lock:  # see _admit_tool
                 turn.staged.append(self._admit_tool(turn, principal, conv, m, offset, gated))
         self._admit_plain(turn, batch_msgs, batch)
 
@@ -374,12 +380,12 @@ class Pipeline:
 
         Returns how many tokens the cache now holds (the system prompt's)."""
         key = PrefixCache.key(live.record.salt_scope or "", system)
-        cached = self.p.prefixes.get(key)
+        cached = self.prefixes.get(key)
         if cached is not None:
             live.cache = cached
         else:
             self._compute(live.cache.extend, system)
-            self.p.prefixes.put(key, live.cache)
+            self.prefixes.put(key, live.cache)
         return len(system)
 
     def _admit_tool(self, turn: Turn, principal: Principal, conv: Conversation, m: RenderedMessage,
@@ -497,24 +503,26 @@ class Pipeline:
             "gate": verdict.policy_input(),
         }
 
-    def _commit(self, turn: Turn) -> None:
-        """The turn's ledger rows in one transaction, then its audit records; then it is committed."""
+    def _write(self, turn: Turn) -> None:
+        """The turn's ledger rows in one transaction, with the intents of what it owes."""
         with fails_as("ledger"):
-            turn.write = self.p.ledger.write_turn(turn.session_id, keep=turn.keep, new=[s.row for s in turn.staged])
-        audited = [(s, seg) for s, seg in zip(turn.staged, turn.write.appended) if s.audit is not None]
-        if audited:
-            bodies = [{**s.audit, "segment_id": seg.id, "span": [seg.start, seg.end]} for s, seg in audited]
-            with fails_as("audit"):
-                indices = self.p.audit.append_many(bodies)
-            for (s, _), index in zip(audited, indices):
-                assert s.action is not None
-                s.action.audit_index = index
+            turn.write = self.p.ledger.write_turn(turn.session_id, keep=turn.keep, new=[s.row for s in turn.staged],
+                                                  intents_of=lambda appended: turn_intents(turn.staged, appended))
         for s, seg in zip(turn.staged, turn.write.appended):
             if s.action is not None:
                 s.action.segment_id = seg.id
-        turn.committed = True
 
     # ---- TurnOps: how a turn ends -------------------------------------------------------------
+
+    def commit(self, turn: Turn) -> None:
+        """Relay the turn's audit intent: its records, keyed, exactly once."""
+        assert turn.write is not None
+        audited = [s.action for s in turn.staged if s.audit is not None]
+        for intent in turn.write.intents:
+            if intent.kind == "audit":
+                for action, index in zip(audited, self.erasure.relay(intent)):
+                    if action is not None:
+                        action.audit_index = index
 
     def drop_generation(self, turn: Turn) -> None:
         if turn.live.cache.staged:
@@ -537,7 +545,7 @@ class Pipeline:
             live.cache = self.p.kernel.new_cache()
 
     def post_turn(self, turn: Turn) -> list[dict[str, Any]]:
-        erasures = self.p.erasure.post_turn(turn)
+        erasures = self.erasure.post_turn(turn)
         if self.p.check_invariants:
             self.p.ledger.check_invariants(turn.session_id, cache_len=len(turn.live.cache))
         return erasures

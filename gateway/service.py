@@ -8,45 +8,24 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
 
 import structlog
 
-from audit import AuditLog
-from gate import Gate, InjectionProbe
-from kvkernel import GenerationConfig, Kernel, KVCache, Model
-from ledger import Ledger
-from policies import PolicyEngine
+from kvkernel import GenerationConfig, KVCache
 
 from .chat import ChatMessage, Conversation, with_tools
 from .erasure import Erasure
 from .errors import GatewayError, fails_as
-from .metrics import Metrics
-from .pipeline import Pipeline, PipelineParts
+from .pipeline import Components, Pipeline
 from .sessions import Compute, PrefixCache, Sessions
 from .tenants import Principal
 from .turn import Turn
 
+__all__ = ["Components", "Gateway", "TurnChannel"]
+
 log = structlog.get_logger(__name__)
-
-
-@dataclass
-class Components:
-    model: Model
-    kernel: Kernel
-    ledger: Ledger
-    audit: AuditLog
-    policy: PolicyEngine
-    gate: Gate
-    metrics: Metrics
-    salt_secret: bytes
-    probe: InjectionProbe | None = None
-    witness_mode: str = "full"
-    max_tool_result_bytes: int = 256_000
-    lock_timeout_s: float = 15.0
-    check_invariants: bool = False  # debug and test builds: the ledger must tile the cache exactly
 
 
 class TurnChannel(Protocol):
@@ -71,12 +50,8 @@ class Gateway:
         self.sessions = Sessions(parts.kernel, parts.ledger, parts.policy, parts.salt_secret)
         self.erasure = Erasure(sessions=self.sessions, ledger=parts.ledger, audit=parts.audit, policy=parts.policy,
                                metrics=parts.metrics, compute=self.compute, witness_mode=parts.witness_mode,
-                               lock_timeout_s=parts.lock_timeout_s)
-        self.pipeline = Pipeline(PipelineParts(
-            model=parts.model, kernel=parts.kernel, ledger=parts.ledger, audit=parts.audit, policy=parts.policy,
-            gate=parts.gate, metrics=parts.metrics, probe=parts.probe, prefixes=self.sessions.prefixes,
-            erasure=self.erasure, compute=self.compute, max_tool_result_bytes=parts.max_tool_result_bytes,
-            check_invariants=parts.check_invariants))
+                               lock_timeout_s=parts.lock_timeout_s, tokenizer=parts.model.tokenizer)
+        self.pipeline = Pipeline(parts, prefixes=self.sessions.prefixes, erasure=self.erasure, compute=self.compute)
         self.stopping = threading.Event()  # shutdown: running turns stop generating and end
         self._running = 0
         self._running_changed = threading.Condition()
@@ -111,6 +86,7 @@ class Gateway:
                     conv = Conversation(self.p.model.tokenizer, conv_messages, memo=live.chunks)
                     self.pipeline.prepare(turn, principal, conv, cfg.max_new_tokens, offset, tool_spec=bool(tools))
                     channel.prepared(turn)
+                    self.p.hold_point("turn-written", turn.abandoned)
                     outcome = self._generate(turn, cfg, channel)
                 finally:
                     turn.end(outcome, self.pipeline)
@@ -192,3 +168,7 @@ class Gateway:
 
     def sweep_retention(self, now: datetime | None = None) -> int:
         return self.erasure.sweep_retention(now)
+
+    def settle(self) -> int:
+        """Do what turns still owe (audit records, forgets): at start-up and on every sweeper pass."""
+        return self.erasure.settle()

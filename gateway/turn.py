@@ -1,10 +1,13 @@
 """One chat turn, from the moment its session is locked to the moment it ends, exactly once.
 
 A turn is one transaction. Admission works on the KV cache and collects the turn's ledger rows
-in memory; `Pipeline.commit` writes them in one ledger transaction and then the turn's audit
-records. Until that commit succeeds, `Turn.end` puts the cache and the ledger back exactly as they
-were. After it, `end` drops the generation and applies what the policy admitted for this turn
-only (exact forgets, amortizations), audited. `end` is the only place that rolls back.
+in memory; before generation they are written in one ledger transaction together with what the
+turn owes (its audit records, the forgets of what the policy admitted for this turn only), as
+intents that survive a crash (gateway/erasure.py). At its end a turn that generated (to the end,
+or until its client left) is committed: its audit records are appended, then its forgets and
+amortizations done, audited. A turn that failed anywhere, generation included, or whose audit
+records cannot be written, is rolled back: `end` puts the cache and the ledger (rows and intents)
+back exactly as they were. `end` is the only place that rolls back.
 
 The caller holds the session lock around the whole turn in one synchronous block
 (`Gateway.run_turn`), so no cancellation, disconnect or generator that is never resumed can skip
@@ -58,7 +61,7 @@ class Staged:
 
 @dataclass(frozen=True)
 class PostTurn:
-    """A tool result admitted for this turn only: forgotten or amortized once the reply is out."""
+    """A tool result admitted for this turn only and amortized once the reply is out."""
 
     segment: Segment
     action: Action
@@ -71,8 +74,8 @@ class Turn:
     before: list[int]  # the cache's tokens when the turn began: what a rollback restores
     staged: list[Staged] = field(default_factory=list)
     keep: int = 0  # conversation segments the request matched; the rest leave the conversation
-    write: TurnWrite | None = None  # the ledger transaction, once written
-    committed: bool = False
+    write: TurnWrite | None = None  # the ledger transaction (rows and intents), once written
+    committed: bool = False  # its audit records are in: the turn stands
     prompt_tokens: int = 0
     outcome: str = "open"
     erasures: list[dict[str, Any]] = field(default_factory=list)
@@ -87,26 +90,29 @@ class Turn:
         return [s.action for s in self.staged if s.action is not None]
 
     def pending(self) -> list[PostTurn]:
-        if self.write is None:
+        """The amortizations this turn owes (its forgets are ledger intents: `Erasure.post_turn`)."""
+        if self.write is None or not self.committed:
             return []
         return [PostTurn(seg, s.action, s.stub) for s, seg in zip(self.staged, self.write.appended)
-                if s.action is not None and s.action.action in ("forget", "amortize")]
+                if s.action is not None and s.action.action == "amortize"]
 
     def end(self, outcome: str, ops: "TurnOps") -> list[dict[str, Any]]:
-        """End the turn (once): drop the generation; roll back an uncommitted turn, or run the
-        committed one's post-turn erasures. Returns those erasures."""
+        """End the turn (once): drop the generation; commit a turn that generated, or roll back one
+        that failed; then run the committed one's post-turn erasures. Returns those erasures."""
         if self.outcome != "open":
             return self.erasures
         self.outcome = outcome
         try:
             ops.drop_generation(self)
+            if self.write is not None and outcome != "failed":
+                ops.commit(self)
+                self.committed = True
         finally:
             if not self.committed:
                 ops.restore(self)
                 log.info("turn.rolled_back", session=self.session_id, outcome=outcome)
-        if self.committed:
-            self.erasures = ops.post_turn(self)
-            log.info("turn.ended", session=self.session_id, outcome=outcome, erasures=len(self.erasures))
+        self.erasures = ops.post_turn(self)
+        log.info("turn.ended", session=self.session_id, outcome=outcome, erasures=len(self.erasures))
         return self.erasures
 
 
@@ -114,8 +120,12 @@ class TurnOps(Protocol):
     def drop_generation(self, turn: Turn) -> None:
         """Roll the staged generation prompt and the generated tokens out of the cache."""
 
+    def commit(self, turn: Turn) -> None:
+        """Append the turn's audit records (its ledger rows are written): the turn stands."""
+
     def restore(self, turn: Turn) -> None:
-        """Undo the turn's ledger write (if any) and put the cache back to `turn.before`."""
+        """Undo the turn's ledger write (rows and intents, if any) and put the cache back to `turn.before`."""
 
     def post_turn(self, turn: Turn) -> list[dict[str, Any]]:
-        """Forget or amortize what the policy admitted for this turn only, audited."""
+        """Forget or amortize what the policy admitted for this turn only (and what the session
+        still owes from before), audited."""

@@ -1,5 +1,6 @@
 """Start-up and shut-down: the stores, the model loaded in the background, the retention sweeper,
-SIGHUP policy reloads, and a bounded drain of running turns at exit."""
+SIGHUP policy reloads, a bounded drain of running turns at exit, and the HTTP server's
+configuration (whose protocol answers even unparseable requests in the OpenAI error shape)."""
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
+import uvicorn
 from starlette.concurrency import run_in_threadpool
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from audit import AuditLog, Signer
 from gate import Gate, GateError, InjectionProbe
@@ -23,7 +26,7 @@ from ledger import Ledger
 from policies import PolicyEngine
 
 from .config import Settings
-from .errors import GatewayError
+from .errors import GatewayError, error_response
 from .metrics import Metrics
 from .service import Components, Gateway
 from .tenants import TenantStore
@@ -125,12 +128,14 @@ def attach_model(state: AppState, model: Model) -> None:
         model=model, kernel=kernel_for(s, model), ledger=state.ledger, audit=state.audit,
         policy=state.policy, gate=state.gate, metrics=state.metrics, probe=(probe := load_probe(s, model)),
         salt_secret=secret_file(s.resolved("salt_secret_path", "salt.key")), witness_mode=s.witness_mode,
-        max_tool_result_bytes=s.max_tool_result_bytes, lock_timeout_s=s.lock_timeout_s, check_invariants=s.debug))
+        max_tool_result_bytes=s.max_tool_result_bytes, lock_timeout_s=s.lock_timeout_s, check_invariants=s.debug,
+        hold_at=s.test_hold_at))
+    settled = state.gateway.settle()  # what turns cut off by a crash still owe, before any new turn
     state.scorer = injection_scorer(probe)
     state.metrics.injection_scorer.info({"scorer": state.scorer, "probe_model": probe.model_identity[:16] if probe else ""})
     state.ready.set()
     log.info("model.ready", model=model.name, identity=model.identity, device=str(model.device),
-             dtype=str(model.dtype), injection_scorer=state.scorer)
+             dtype=str(model.dtype), injection_scorer=state.scorer, intents_settled=settled)
 
 
 def _load_in_background(state: AppState) -> None:
@@ -186,6 +191,7 @@ async def _sweep_forever(state: AppState) -> None:
         if state.gateway is None:
             continue
         try:
+            await run_in_threadpool(state.gateway.settle)
             count = await run_in_threadpool(state.gateway.sweep_retention)
             if count:
                 log.info("retention.swept", segments=count)
@@ -209,3 +215,41 @@ def _install_sighup(state: AppState) -> None:
             log.error("policy.reload_failed", error=f"{type(exc).__name__}: {exc}")
 
     loop.add_signal_handler(signal.SIGHUP, reload)
+
+
+# ---- the HTTP server ----------------------------------------------------------------------------
+
+def bad_request_bytes(detail: str) -> bytes:
+    """The whole HTTP response for a request the server could not parse, in the OpenAI error shape
+    (uvicorn's own is a plain-text 400 that no OpenAI client can read)."""
+    response = error_response(GatewayError(400, "invalid_http", f"the HTTP request could not be parsed ({detail}); "
+                                           "send a well-formed HTTP/1.1 request"))
+    head = [b"HTTP/1.1 400 Bad Request", *(k + b": " + v for k, v in response.raw_headers), b"connection: close"]
+    return b"\r\n".join(head) + b"\r\n\r\n" + response.body
+
+
+class OpenAIH11Protocol(H11Protocol):
+    def send_400_response(self, msg: str) -> None:
+        self.transport.write(bad_request_bytes(msg))
+        self.transport.close()
+
+
+def http_protocol() -> type:
+    """uvicorn's own choice ("auto": httptools when installed, else h11), answering malformed
+    requests in the OpenAI error shape."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:  # httptools is not installed
+        return OpenAIH11Protocol
+
+    class OpenAIHttpToolsProtocol(HttpToolsProtocol):
+        def send_400_response(self, msg: str) -> None:
+            self.transport.write(bad_request_bytes(msg))
+            self.transport.close()
+    return OpenAIHttpToolsProtocol
+
+
+def server_config(app: object, settings: Settings, host: str, port: int) -> uvicorn.Config:
+    """The one uvicorn configuration (`lethe serve`, the demo and the tests' live gateway)."""
+    return uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False, http=http_protocol(),
+                          timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 1)

@@ -7,7 +7,7 @@ PostgreSQL), content stored content-addressed so that a forget also erases store
 from .content import ContentStore
 from .crossings import Crossing, CrossingLog
 from .errors import ErasureIncomplete, LedgerError, LedgerInvariantError, UnknownSegment, UnknownSession
-from .ledger import Ledger, NewSegment, TurnWrite
+from .ledger import Intent, Ledger, NewSegment, TurnWrite
 from .records import Segment, SegmentState, SessionRecord
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "Crossing",
     "CrossingLog",
     "ErasureIncomplete",
+    "Intent",
     "Ledger",
     "LedgerError",
     "LedgerInvariantError",

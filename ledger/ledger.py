@@ -24,7 +24,7 @@ from .crossings import CrossingLog
 from .errors import ErasureIncomplete, LedgerError, UnknownSegment, UnknownSession
 from .invariants import verify_tiling
 from .records import CONTENT_RETIRED, IN_CACHE, Segment, SegmentState, SessionRecord
-from .schema import WRITE, blobs, make_engine, metadata, segments, sessions
+from .schema import WRITE, blobs, intents, make_engine, metadata, segments, sessions
 
 log = structlog.get_logger(__name__)
 
@@ -55,6 +55,22 @@ class NewSegment:
 
 
 @dataclass(frozen=True)
+class Intent:
+    """Work a committed turn still owes (its audit records, its post-turn forgets), stored in the
+    turn's own transaction so that a crash before the work is done cannot lose it."""
+
+    id: str
+    session_id: str
+    kind: str
+    payload: dict[str, Any]
+    created_at: datetime
+
+
+IntentsOf = Callable[[Sequence[Segment]], Sequence[tuple[str, dict[str, Any]]]]
+"""Given a turn's appended segments, the (kind, payload) of each intent to store with them."""
+
+
+@dataclass(frozen=True)
 class TurnWrite:
     """What `write_turn` changed, so that `undo_turn` can put the session back exactly."""
 
@@ -63,6 +79,7 @@ class TurnWrite:
     superseded: tuple[Segment, ...]  # as they were before the write
     token_count: int
     next_seq: int
+    intents: tuple[Intent, ...] = ()
 
 
 def _utcnow() -> datetime:
@@ -407,13 +424,15 @@ class Ledger:
         log.debug("ledger.append", session_id=session_id, segment_id=seg.id, state=state.value, n_tokens=n_tokens)
         return seg
 
-    def write_turn(self, session_id: str, *, keep: int, new: Sequence[NewSegment]) -> TurnWrite:
+    def write_turn(self, session_id: str, *, keep: int, new: Sequence[NewSegment],
+                   intents_of: IntentsOf | None = None) -> TurnWrite:
         """One chat turn's ledger writes in one transaction: all or nothing.
 
         The conversation is the session's non-superseded segments in seq order. Every segment
         after its first `keep` leaves it (SUPERSEDED, empty range at the cut), forgotten ones
         included: a rewritten history must not keep dead segments in its middle, where every
-        later request would mismatch them. Then `new` is appended at the cut.
+        later request would mismatch them. Then `new` is appended at the cut, and with it the
+        intents `intents_of` names for the appended segments (see `Intent`).
         """
         with self._write(session_id) as (conn, sess):
             conversation = [s for s in self._segments(conn, session_id, include_dead=True)
@@ -442,13 +461,41 @@ class Ledger:
                 appended.append(seg)
                 seq, at = seq + 1, seg.end
             conn.execute(_ADVANCE_SESSION, {"session_id": session_id, "new_count": at, "new_seq": seq})
-        log.debug("ledger.write_turn", session_id=session_id, superseded=len(cut), appended=len(appended))
-        return TurnWrite(session_id, tuple(appended), tuple(cut), sess.token_count, sess.next_seq)
+            owed = self._store_intents(conn, session_id, intents_of(appended) if intents_of else ())
+        log.debug("ledger.write_turn", session_id=session_id, superseded=len(cut), appended=len(appended),
+                  intents=len(owed))
+        return TurnWrite(session_id, tuple(appended), tuple(cut), sess.token_count, sess.next_seq, owed)
+
+    def _store_intents(self, conn: Connection, session_id: str,
+                       items: Sequence[tuple[str, dict[str, Any]]]) -> tuple[Intent, ...]:
+        owed = tuple(Intent("int_" + secrets.token_hex(12), session_id, kind, payload, self._clock())
+                     for kind, payload in items)
+        if owed:
+            conn.execute(insert(intents), [{"id": i.id, "session_id": i.session_id, "kind": i.kind,
+                                            "payload": i.payload, "created_at": i.created_at} for i in owed])
+        return owed
+
+    def pending_intents(self, kind: str | None = None, session_id: str | None = None) -> list[Intent]:
+        """Intents not yet done, oldest first (all sessions unless `session_id`)."""
+        query = select(intents).order_by(intents.c.created_at, intents.c.id)
+        if kind is not None:
+            query = query.where(intents.c.kind == kind)
+        if session_id is not None:
+            query = query.where(intents.c.session_id == session_id)
+        with self._read() as conn:
+            return [Intent(r.id, r.session_id, r.kind, dict(r.payload), _utc(r.created_at)) for r in conn.execute(query)]
+
+    def intent_done(self, intent_id: str) -> None:
+        """The intent's work is done (and durable where it went): drop it. Idempotent."""
+        with self._serial, self._engine.connect().execution_options(**{WRITE: True}) as conn, conn.begin():
+            conn.execute(delete(intents).where(intents.c.id == intent_id))
 
     def undo_turn(self, write: TurnWrite) -> None:
         """Put the session back as it was before `write` (a later step of the turn failed)."""
         with self._write(write.session_id) as (conn, _sess):
             ids = [s.id for s in write.appended]
+            if write.intents:
+                conn.execute(delete(intents).where(intents.c.id.in_([i.id for i in write.intents])))
             if ids:
                 conn.execute(delete(segments).where(segments.c.id.in_(ids)))
             for seg in write.superseded:

@@ -87,6 +87,20 @@ withheld = Table(
     Column("crossing_id", String(40), nullable=False),
 )
 
+# Work a committed turn still owes, written in the turn's own transaction (an outbox): its audit
+# records (`audit`) and the forgets of what the policy admitted for that turn only (`forget`).
+# A row goes once its work is done; one left by a crash is done at start-up (gateway/erasure.py).
+intents = Table(
+    "ledger_intents",
+    metadata,
+    Column("id", String(40), primary_key=True),
+    Column("session_id", String(200), ForeignKey("ledger_sessions.id", ondelete="CASCADE"), nullable=False),
+    Column("kind", String(16), nullable=False),
+    Column("payload", JSON, nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    Index("ix_ledger_intents_session", "session_id"),
+)
+
 blobs = Table(
     "ledger_blobs",
     metadata,

@@ -25,6 +25,17 @@ def test_append_is_canonical_and_hashed_as_rfc9162_leaf(sqlite_log, record):
         sqlite_log.get(1)
 
 
+def test_a_keyed_append_is_done_once_however_often_it_is_retried(sqlite_log, record, tmp_path):
+    """A relayed intent redone after a crash appends nothing twice: the key is stored with the record."""
+    first = sqlite_log.append_keyed([("int_1/0", record(0)), ("int_1/1", record(1))])
+    sqlite_log.append(record(2))
+    again = sqlite_log.append_keyed([("int_1/1", record(1)), ("int_1/0", record(0)), ("int_2/0", record(3))])
+    assert first == [0, 1] and again == [1, 0, 3]
+    assert sqlite_log.size == 4
+    sqlite_log.export(tmp_path / "export.json")
+    assert verify_export(tmp_path / "export.json", public_key_pem=sqlite_log.keys()[0]["public_key_pem"]).ok
+
+
 @pytest.mark.parametrize(
     "change, message",
     [

@@ -99,7 +99,7 @@ def test_a_failing_probe_fails_the_turn_closed(live_gateway, session, monkeypatc
 def test_a_failing_audit_log_undoes_the_ledger_write(live_gateway, session, monkeypatch):
     """The quarantine record cannot be written: the ledger rows already written are undone."""
     key, sid = session
-    monkeypatch.setattr(type(live_gateway.state.audit), "append_many",
+    monkeypatch.setattr(type(live_gateway.state.audit), "append_keyed",
                         _raise(sqlite3.OperationalError("database or disk is full")))
     _fails_closed(live_gateway, key, sid, "audit", WEB_PAGE)
     monkeypatch.undo()

@@ -37,3 +37,31 @@ def test_a_rewrite_retires_forgotten_segments_after_the_cut(ledger: Ledger) -> N
                                                        ledger.segments("s")[-1].content_sha256]
     assert ledger.token_count("s") == 3 + 6
     ledger.check_invariants("s")
+
+
+def test_a_turns_intents_are_written_with_its_rows_and_undone_with_them(ledger: Ledger) -> None:
+    """What a turn owes is stored in the turn's own transaction, so a crash cannot separate them."""
+    ledger.create_session("s", "t")
+    owed = lambda appended: [("forget", {"segments": [appended[1].id]}), ("audit", {"records": []})]  # noqa: E731
+    turn = ledger.write_turn("s", keep=0, new=[_msg("a", 3), _msg("secret", 2)], intents_of=owed)
+    pending = ledger.pending_intents(session_id="s")
+    assert sorted((i.kind, i.payload) for i in pending) == [("audit", {"records": []}),
+                                                           ("forget", {"segments": [turn.appended[1].id]})]
+    assert [i.id for i in ledger.pending_intents("audit")] == [turn.intents[1].id]
+    ledger.intent_done(turn.intents[1].id)
+    ledger.intent_done(turn.intents[1].id)  # idempotent
+    assert [i.kind for i in ledger.pending_intents()] == ["forget"]
+    ledger.undo_turn(turn)
+    assert ledger.pending_intents() == [] and ledger.segments("s") == []
+
+
+def test_a_refused_turn_stores_no_intent(ledger: Ledger) -> None:
+    ledger.create_session("s", "t")
+    bad = NewSegment(role="user", tool=None, content=b"x", n_tokens=-1)
+    try:
+        ledger.write_turn("s", keep=0, new=[_msg("a", 1), bad], intents_of=lambda _: [("forget", {"segments": []})])
+    except Exception:
+        pass
+    else:
+        raise AssertionError("a negative token count must be refused")
+    assert ledger.pending_intents() == [] and ledger.segments("s") == []
