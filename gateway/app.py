@@ -2,6 +2,8 @@
 `streaming`, start-up and shut-down in `wiring`, the pipeline behind them in `service`."""
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from typing import Any
 
 import structlog
@@ -75,9 +77,10 @@ def create_app(settings: Settings | None = None, *, model: Model | None = None) 
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
-        first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid request"}
-        param = ".".join(str(p) for p in first["loc"] if p not in ("body", "path", "query"))
-        return error_response(GatewayError(422, "invalid_request", f"{param or 'body'}: {first['msg']}", param=param))
+        """A 400 as OpenAI sends it, naming the first offending field as the client wrote it."""
+        first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid request", "type": ""}
+        param = param_of(first)
+        return error_response(GatewayError(400, "invalid_request", f"{param}: {first['msg']}", param=param))
 
     def principal(request: Request) -> Principal:
         header = request.headers.get("authorization", "")
@@ -189,6 +192,29 @@ def create_app(settings: Settings | None = None, *, model: Model | None = None) 
 
     app.include_router(make_router(lambda: state.audit, audit_viewer))
     return app
+
+
+_WHERE = frozenset({"body", "path", "query", "header", "cookie"})
+_FIELD = re.compile(r"[a-z_][a-z0-9_]*")
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "tuple", "set"})
+
+
+def param_of(error: Mapping[str, Any]) -> str:
+    """A validation error's field path as the client wrote it (`messages[2].content`), never empty.
+
+    Pydantic's location also names the member of a union it tried (`str`, `list[TextPart]`);
+    those are not fields and are left out. An unparseable body is `body`."""
+    if error.get("type") == "json_invalid":
+        return "body"
+    path = ""
+    for i, part in enumerate(error.get("loc", ())):
+        if i == 0 and part in _WHERE:
+            continue
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif _FIELD.fullmatch(str(part)) and part not in _TYPE_TAGS:
+            path += f".{part}" if path else str(part)
+    return path or "body"
 
 
 def _segment_dict(s: Any) -> dict[str, Any]:

@@ -12,35 +12,48 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
-class FunctionCall(BaseModel):
+class Wire(BaseModel):
+    """A request model of the OpenAI wire format: strict types, as OpenAI's own API, so that
+    `"stream": "yes"` or `"max_tokens": "5"` is refused naming the field, never coerced."""
+
+    model_config = ConfigDict(strict=True)
+
+
+class FunctionCall(Wire):
     name: str = Field(min_length=1, max_length=256)
     arguments: str = "{}"
 
 
-class ToolCall(BaseModel):
+class ToolCall(Wire):
     id: str = Field(min_length=1, max_length=256)
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class TextPart(BaseModel):
+class TextPart(Wire):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatMessage(Wire):
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Role
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[ToolCall] | None = None
+
+    @model_validator(mode="after")
+    def _tool_answers_a_call(self) -> "ChatMessage":
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("tool_call_id is required for role 'tool'")
+        return self
 
     @property
     def text(self) -> str:
@@ -60,12 +73,12 @@ MAX_STOP_CHARS = 256
 MAX_TOKENS = 1 << 20  # far above any context window; the window itself is checked per session
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(Wire):
     include_usage: bool = False
 
 
-class ChatRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatRequest(Wire):
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str = Field(min_length=1)
     messages: list[ChatMessage] = Field(min_length=1)
@@ -94,14 +107,6 @@ class ChatRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
-
-    @field_validator("messages")
-    @classmethod
-    def _tool_messages_answer_calls(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
-        for i, m in enumerate(messages):
-            if m.role == "tool" and not m.tool_call_id:
-                raise ValueError(f"messages[{i}].tool_call_id is required for role 'tool'")
-        return messages
 
     @property
     def stops(self) -> list[str]:

@@ -76,10 +76,10 @@ def serve(host: Annotated[Optional[str], typer.Option()] = None,
     import uvicorn
 
     from .app import create_app
+    from .wiring import server_config
 
     s = _settings()
-    uvicorn.run(create_app(s), host=host or s.host, port=port or s.port, log_config=None, access_log=False,
-                timeout_graceful_shutdown=int(s.shutdown_grace_s) + 1)
+    uvicorn.Server(server_config(create_app(s), s, host or s.host, port or s.port)).run()
 
 
 @app.command()

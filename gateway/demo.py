@@ -178,6 +178,7 @@ def local_gateway(settings: Settings, model: Any = None, port: int | None = None
 
     from .app import create_app
     from .tenants import TenantStore
+    from .wiring import server_config
 
     with tempfile.TemporaryDirectory(prefix="lethe-demo-") as tmp:
         data = Path(tmp)
@@ -190,8 +191,7 @@ def local_gateway(settings: Settings, model: Any = None, port: int | None = None
         store: TenantStore = app.state.lethe.tenants
         store.create_tenant(DEMO_TENANT)
         key = store.create_key(DEMO_TENANT, user="alice", admin=True)
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=s.port, log_config=None,
-                                               access_log=False, timeout_graceful_shutdown=int(s.shutdown_grace_s) + 1))
+        server = uvicorn.Server(server_config(app, s, "127.0.0.1", s.port))
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
         base = f"http://127.0.0.1:{s.port}"

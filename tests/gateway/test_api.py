@@ -49,13 +49,14 @@ def test_auth_required_and_checked(live_gateway):
 def test_malformed_json_and_unknown_role(live_gateway):
     with live_gateway.client() as http:
         bad = http.post("/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"})
-        assert bad.status_code == 422
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "body"
         role = chat(http, [{"role": "wizard", "content": "hi"}])
-        assert role.status_code == 422 and role.json()["error"]["param"] == "messages.0.role"
+        assert role.status_code == 400 and role.json()["error"]["param"] == "messages[0].role"
         missing = chat(http, [{"role": "tool", "content": "x"}])
-        assert missing.status_code == 422 and "tool_call_id" in missing.json()["error"]["message"]
+        assert missing.status_code == 400 and "tool_call_id" in missing.json()["error"]["message"]
+        assert missing.json()["error"]["param"] == "messages[0]"
         empty = chat(http, [])
-        assert empty.status_code == 422 and empty.json()["error"]["param"] == "messages"
+        assert empty.status_code == 400 and empty.json()["error"]["param"] == "messages"
 
 
 def test_huge_body_and_huge_tool_result(live_gateway):
@@ -67,7 +68,7 @@ def test_huge_body_and_huge_tool_result(live_gateway):
         assert chunked.status_code == 413
         big_tool = [*TOOL_TURN[:2], {"role": "tool", "tool_call_id": "c1", "content": "y" * 70_000}]
         response = chat(http, big_tool)
-        assert response.status_code == 413 and response.json()["error"]["param"] == "messages.2.content"
+        assert response.status_code == 413 and response.json()["error"]["param"] == "messages[2].content"
 
 
 def test_context_budget_is_a_clear_400(live_gateway):
@@ -98,7 +99,7 @@ def test_unknown_session_and_segment_are_404(live_gateway):
         missing = http.post(f"/v1/sessions/{sid}/forget", json={"segment_id": "seg_000"})
         assert missing.status_code == 404
         neither = http.post(f"/v1/sessions/{sid}/forget", json={})
-        assert neither.status_code == 422
+        assert neither.status_code == 400 and neither.json()["error"]["param"] == "body"
         segments = http.get(f"/v1/sessions/{sid}/segments").json()["segments"]
         assert [s["state"] for s in segments] == ["live"] * 3  # nothing lost by the refusals
 

@@ -3,11 +3,12 @@ are the client's own, and streamed `usage` exactly as OpenAI sends it."""
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 
 from gateway.demo import WEATHER
-from tests.gateway.conftest import tool_turn
+from tests.gateway.conftest import PORT, tool_turn
 
 pytestmark = pytest.mark.model
 
@@ -18,11 +19,36 @@ HI = [{"role": "user", "content": "hi"}]
     ("seed", 10**30), ("seed", -1), ("max_tokens", 10**12), ("n", 2),
     ("stop", ["a", "b", "c", "d", "e"]), ("stop", "x" * 300), ("stop", [""]), ("temperature", 3),
 ])
-def test_out_of_range_fields_are_a_422_naming_the_field(live_gateway, field, value):
+def test_out_of_range_fields_are_a_400_naming_the_field(live_gateway, field, value):
     with live_gateway.client() as http:
         response = http.post("/v1/chat/completions", json={"model": "m", "messages": HI, field: value})
-    assert response.status_code == 422, response.text
+    assert response.status_code == 400, response.text
     assert response.json()["error"]["param"].startswith(field)
+
+
+@pytest.mark.parametrize("field,value,param", [
+    ("stream", "yes", "stream"), ("stream", 1, "stream"), ("max_tokens", "5", "max_tokens"),
+    ("temperature", "1", "temperature"), ("seed", 1.0, "seed"), ("model", 5, "model"),
+    ("stream_options", {"include_usage": "true"}, "stream_options.include_usage"),
+    ("messages", [*HI, {"role": "user", "content": 5}], "messages[1].content"),
+    ("messages", [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": {}}}]}],
+     "messages[0].tool_calls[0].function.arguments"),
+])
+def test_wrong_types_are_refused_naming_the_field_never_coerced(live_gateway, field, value, param):
+    with live_gateway.client() as http:
+        response = http.post("/v1/chat/completions", json={"model": "m", "messages": HI, field: value})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error" and error["code"] == "invalid_request"
+
+
+def test_numbers_of_either_json_spelling_are_accepted(live_gateway):
+    """Strict is not pedantic: an integral temperature is a number, as in OpenAI's API."""
+    with live_gateway.client() as http:
+        response = http.post("/v1/chat/completions", json={"model": "m", "messages": HI, "max_tokens": 1,
+                                                           "temperature": 1, "top_p": 1})
+    assert response.status_code == 200, response.text
 
 
 @pytest.mark.parametrize("path", ["/v1/audit/records/" + "9" * 40, "/v1/audit/erasures/" + "9" * 40 + "/proof",
@@ -30,7 +56,7 @@ def test_out_of_range_fields_are_a_422_naming_the_field(live_gateway, field, val
 def test_path_integers_are_bounded(live_gateway, path):
     with live_gateway.client() as http:
         response = http.get(path)
-    assert response.status_code == 422 and response.json()["error"]["param"] == "index"
+    assert response.status_code == 400 and response.json()["error"]["param"] == "index"
 
 
 def test_unknown_routes_and_audit_404s_use_the_openai_shape(live_gateway):
@@ -81,7 +107,7 @@ def test_message_index_is_the_clients_own(live_gateway):
                                                       "messages": tool_turn("y" * 70_000)})
     assert response.headers["x-lethe-actions"] == "2:allow"
     assert response.json()["lethe"]["actions"][0]["message_index"] == 2
-    assert big.status_code == 413 and big.json()["error"]["param"] == "messages.2.content"
+    assert big.status_code == 413 and big.json()["error"]["param"] == "messages[2].content"
 
 
 def _events(http, **extra) -> list[dict]:
@@ -100,3 +126,22 @@ def test_streamed_usage_only_when_asked_in_its_own_last_chunk(live_gateway):
     assert all("usage" not in e for e in asked[:-1])
     assert asked[-1]["choices"] == [] and asked[-1]["usage"]["completion_tokens"] >= 1
     assert asked[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"GARBAGE\r\n\r\n",
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: nope\r\n\r\n",
+    b"GET / HTTP/1.1\r\nBad Header Line\r\n\r\n",
+], ids=["not-http", "bad-content-length", "bad-header"])
+def test_a_malformed_http_request_gets_the_openai_error_shape(live_gateway, request_bytes):
+    """The server's own 400 (before the app sees anything) is JSON in the OpenAI shape too."""
+    with socket.create_connection(("127.0.0.1", PORT), timeout=60) as sock:
+        sock.sendall(request_bytes)
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 "), raw
+    assert b"content-type: application/json" in head.lower()
+    error = json.loads(body)["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "invalid_http" and error["message"]
