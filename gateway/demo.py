@@ -173,7 +173,8 @@ class LocalGateway:
 
 @contextmanager
 def local_gateway(settings: Settings, model: Any = None, port: int | None = None) -> Iterator[LocalGateway]:
-    """A gateway on a loopback port (a free one unless given) with a throwaway data dir and a demo tenant."""
+    """A gateway on a loopback port (a free one unless given) with a throwaway data dir and a demo tenant.
+    The audit log has its own database file, so a fault in one database is a fault in one component."""
     import uvicorn
 
     from .app import create_app
@@ -183,7 +184,7 @@ def local_gateway(settings: Settings, model: Any = None, port: int | None = None
     with tempfile.TemporaryDirectory(prefix="lethe-demo-") as tmp:
         data = Path(tmp)
         s = settings.model_copy(update={
-            "data_dir": data, "database_url": None, "audit_database_url": None,
+            "data_dir": data, "database_url": None, "audit_database_url": f"sqlite:///{data / 'audit.db'}",
             "model_cache_dir": settings.resolved("model_cache_dir", "models").resolve(),
             "policy_dir": demo_bundle(data / "policies"), "policy_backend": "embedded",
             "audit_key_path": None, "salt_secret_path": None, "port": port or _free_port()})

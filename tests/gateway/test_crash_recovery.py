@@ -29,9 +29,9 @@ from audit.verify import verify_export
 from gateway.demo import CONFIG_FILE, LEAKED_KEY, WEB_PAGE, demo_bundle
 from gateway.tenants import TenantStore
 from tests.conftest import REPO_ROOT
-from tests.gateway.conftest import PORT, tool_turn, wait_until
+from tests.gateway.conftest import PORT, wait_until
 
-pytestmark = pytest.mark.model
+pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(2400)]
 
 CRASH_PORT = PORT + 1  # beside the live gateway's port, inside the worktree's range
 
@@ -86,10 +86,15 @@ class Server:
     def client(self, key: str | None = None) -> httpx.Client:
         return httpx.Client(base_url=self.base, headers={"Authorization": f"Bearer {key or self.key}"}, timeout=300)
 
-    def crash_mid_turn(self, content: str) -> str:
-        """Start a streamed turn carrying `content`, wait for its headers (its ledger write is
+    def crash_mid_turn(self, *results: str) -> str:
+        """Start a streamed turn carrying tool `results`, wait for its headers (its ledger write is
         committed and it is parked), SIGKILL the server; returns the session id."""
-        body = {"model": "m", "stream": True, "max_tokens": 4, "messages": tool_turn(content)}
+        calls = [{"id": f"c{i}", "type": "function", "function": {"name": "read_file", "arguments": "{}"}}
+                 for i in range(len(results))]
+        messages = [{"role": "user", "content": "look at these"}, {"role": "assistant", "content": None,
+                                                                   "tool_calls": calls},
+                    *({"role": "tool", "tool_call_id": c["id"], "content": r} for c, r in zip(calls, results))]
+        body = {"model": "m", "stream": True, "max_tokens": 4, "messages": messages}
         with self.client() as http, http.stream("POST", "/v1/chat/completions", json=body) as response:
             assert response.status_code == 200
             sid = response.headers["x-lethe-session"]
@@ -101,20 +106,38 @@ def _model_cache() -> Path:
     return Path(os.environ.get("LETHE_MODEL_CACHE_DIR") or REPO_ROOT / "var" / "models").resolve()
 
 
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[Server]:
-    """A data directory with the tenant `crash` (secrets admitted for one turn, then forgotten)."""
-    bundle = demo_bundle(tmp_path / "policies")
+SECRET = f"{CONFIG_FILE}# crash recovery\n"  # admitted for the turn only (policy `forget`)
+
+
+@dataclass
+class Crashed:
+    server: Server
+    session: str
+    at_rest_before_restart: bool  # the secret's bytes were in the database files when it died
+
+
+@pytest.fixture(scope="module")
+def crashed(tmp_path_factory) -> Iterator[Crashed]:
+    """A gateway killed mid-turn (a secret and an injected page admitted, the turn parked after its
+    ledger write), then restarted on the same data directory and ready again."""
+    data = tmp_path_factory.mktemp("crash")
+    bundle = demo_bundle(data / "policies")
     (bundle / "data" / "tenants.json").write_text(json.dumps(
         {"lethe": {"tenants": {"crash": {"sensitive_action": "forget"}}}}))
     plans = _model_cache().parent / "kernel-plans"  # a plan calibrated on this machine: skip calibrating
     if plans.is_dir():
-        shutil.copytree(plans, tmp_path / "kernel-plans")
-    store = TenantStore.from_url(f"sqlite:///{tmp_path / 'lethe.db'}")
+        shutil.copytree(plans, data / "kernel-plans")
+    store = TenantStore.from_url(f"sqlite:///{data / 'lethe.db'}")
     store.create_tenant("crash")
-    srv = Server(tmp_path, store.create_key("crash", user="cy", admin=True), store.create_key(None, admin=True))
-    yield srv
-    srv.stop()
+    srv = Server(data, store.create_key("crash", user="cy", admin=True), store.create_key(None, admin=True))
+    try:
+        srv.start(hold=True)
+        sid = srv.crash_mid_turn(SECRET, WEB_PAGE)
+        at_rest = any(LEAKED_KEY.encode() in p.read_bytes() for p in _files(data))
+        srv.start(hold=False)
+        yield Crashed(srv, sid, at_rest)
+    finally:
+        srv.stop()
 
 
 def _files(data: Path) -> list[Path]:
@@ -147,39 +170,33 @@ def _log_verifies(srv: Server) -> None:
 def _usable(srv: Server, sid: str) -> None:
     with srv.client() as http:
         response = http.post("/v1/chat/completions", headers={"X-Lethe-Session": sid},
-                             json={"model": "m", "max_tokens": 1,
-                                   "messages": [*tool_turn("ok"), {"role": "user", "content": "thanks"}]})
+                             json={"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
     assert response.status_code == 200, response.text
 
 
-def test_a_forget_owed_by_a_crashed_turn_is_done_before_the_restart_is_ready(server: Server) -> None:
-    secret = f"{CONFIG_FILE}# crash recovery\n"
-    server.start(hold=True)
-    sid = server.crash_mid_turn(secret)
-    assert any(LEAKED_KEY.encode() in p.read_bytes() for p in _files(server.data))  # committed, not yet forgotten
-
-    server.start(hold=False)
-    digest = hashlib.sha256(secret.encode()).hexdigest()
+def test_a_forget_owed_by_a_crashed_turn_is_done_before_the_restart_is_ready(crashed: Crashed) -> None:
+    server, sid = crashed.server, crashed.session
+    assert crashed.at_rest_before_restart  # the turn's rows were committed, the secret not yet forgotten
+    digest = hashlib.sha256(SECRET.encode()).hexdigest()
     (seg,) = [s for s in _segments(server, sid) if s["content_sha256"] == digest]
     assert seg["state"] == "forgotten"
     assert not any(LEAKED_KEY.encode() in p.read_bytes() for p in _files(server.data))  # db and -wal bytes
     (record,) = _records(server, sid, "forget")
     body = record["body"]
     assert body["segment_id"] == seg["id"] and body["actor"] == "policy"
-    witness = body["witness"]
+    witness = body["witness"]  # the kernel forgot it on a cache rebuilt from the ledger
     assert witness["equal"] is True and witness["max_abs_dk"] == witness["max_abs_dv"] == 0
     assert body["span"] in witness["spans"]
     _log_verifies(server)
-    _usable(server, sid)
 
 
-def test_the_audit_records_owed_by_a_crashed_turn_are_appended_once(server: Server) -> None:
-    server.start(hold=True)
-    sid = server.crash_mid_turn(WEB_PAGE)  # quarantined: the turn owes a quarantine record
-
-    server.start(hold=False)
+def test_the_audit_records_owed_by_a_crashed_turn_are_appended_at_restart(crashed: Crashed) -> None:
+    server, sid = crashed.server, crashed.session
     (seg,) = [s for s in _segments(server, sid) if s["state"] == "quarantined"]
     (record,) = _records(server, sid, "quarantine")
     assert record["body"]["segment_id"] == seg["id"]
     _log_verifies(server)
-    _usable(server, sid)
+
+
+def test_the_session_is_usable_after_the_restart(crashed: Crashed) -> None:
+    _usable(crashed.server, crashed.session)
