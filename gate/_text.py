@@ -200,3 +200,28 @@ def detection_view(doc: Decoded) -> View:
     clean = text.encode("utf-8", "surrogatepass")
     byte_to_raw = np.append(np.repeat(char_to_byte[:-1], _utf8_lengths(folded)), char_to_byte[-1])
     return View(clean, text, char_to_byte, byte_to_raw, changed=True)
+
+
+
+# A word boundary that knows non-ASCII letters, for Hyperscan (whose \b is ASCII-only outside UCP
+# mode, and UCP mode rejects \b): it consumes the neighbouring ASCII space, punctuation or control
+# character (a Unicode letter class would cost the rule its start-of-match mode).
+NOT_WORD = r"[\x00-\x2f\x3a-\x40\x5b-\x5e\x60\x7b-\x7f]"
+
+
+def unicode_boundaries(regex: str) -> str:
+    r"""``\b`` next to a non-ASCII letter ("\bтеперь", "é\b") never matches in Hyperscan's UTF-8
+    mode (it sees no word character there); such a ``\b`` becomes a consuming boundary instead."""
+    out, i = [], 0
+    while i < len(regex):
+        piece = regex[i:i + 2] if regex[i] == "\\" else regex[i]
+        if piece == r"\b":
+            after = regex[i + 3:i + 4] if regex[i + 2:i + 3] == "[" else regex[i + 2:i + 3]
+            before = regex[i - 1:i]
+            if after and not after.isascii():
+                piece = f"(?:^|{NOT_WORD})"
+            elif before and not before.isascii():
+                piece = f"(?:$|{NOT_WORD})"
+        out.append(piece)
+        i += 2 if regex[i] == "\\" else 1
+    return "".join(out)
