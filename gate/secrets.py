@@ -284,18 +284,21 @@ class SecretScanner:
         self._width = {p.ident: _max_width(p) or (p.window or None) for p in patterns}
 
     def _matches(self, data: bytes) -> Iterator[tuple[int, re.Match[bytes]]]:
-        """Every ``re`` match of every flagged rule. A rule of bounded width W is confirmed only in
-        the windows [end - W, end] before the ends Hyperscan reports (at most WINDOW_REPORTS of
-        them, else the whole text); unbounded rules read the whole text, which their regexes keep
-        linear (each scan stops at a delimiter or the next start)."""
+        """Every ``re`` match of every flagged rule, confirmed only where Hyperscan reported one: in
+        the exact [start, end] spans of rules Hyperscan compiles in start-of-match mode, else in
+        the windows [end - W, end] of a rule of bounded width W (at most WINDOW_REPORTS reports,
+        else the whole text). Only rules with neither read the whole text, which their regexes
+        keep linear (each scan stops at a delimiter or the next start)."""
         for ident in self.matcher.triggered(data):
             rx, width = self.matcher._python[ident], self._width[ident]
-            ends = self._ends.reports(ident, data) if width is not None else []
-            if width is None or not ends or len(ends) >= WINDOW_REPORTS:
+            som = self._ends.has_start.get(ident, False)
+            reports = self._ends.reports(ident, data) if width is not None or som else []
+            if not reports or len(reports) >= WINDOW_REPORTS:
                 yield from ((ident, m) for m in rx.finditer(data))
                 continue
             seen: set[tuple[int, int]] = set()
-            for lo, hi in _merge_windows((max(0, e - width), e) for _, e in ends):
+            windows = ((s, e) if som else (max(0, e - width), e) for s, e in reports)  # type: ignore[operator]
+            for lo, hi in _merge_windows(windows):
                 for m in rx.finditer(data, lo, hi):
                     if m.span() not in seen:
                         seen.add(m.span())
