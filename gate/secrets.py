@@ -239,6 +239,7 @@ def load_gitleaks(path: Path) -> tuple[list[SecretRule], Allowlist]:
 
 
 def _compile_problem(rule: SecretRule) -> str | None:
+    """Why a user rule cannot be used within the gate's time bound (None when it can)."""
     pattern = Pattern(0, rule.regex, caseless=rule.caseless)
     try:
         rx = re.compile(rule.regex)
@@ -246,7 +247,35 @@ def _compile_problem(rule: SecretRule) -> str | None:
         return f"python re: {exc}"
     if rule.secret_group > rx.groups:
         return f"secretGroup {rule.secret_group} > {rx.groups} groups"
-    return MultiMatcher.hyperscan_error(pattern)
+    problem = MultiMatcher.hyperscan_error(pattern)
+    if problem:
+        return problem
+    if _nested_unbounded(sre_parse.parse(rule.regex)):
+        return ("not linear-safe: a repeat inside an unbounded repeat (like (a+)+) backtracks exponentially "
+                "in Python re, which confirms matches; bound the outer or inner repeat (e.g. {1,64})")
+    if _max_width(pattern) is None and not SpanMatcher([pattern]).has_start.get(0, False):
+        return ("not linear-safe: its match length is unbounded (or over 4096 bytes) and Hyperscan has no "
+                "start-of-match mode for it, so it would be confirmed over the whole text; bound its repeats "
+                "(e.g. {1,256} for + or *)")
+    return None
+
+
+def _nested_unbounded(parsed: Iterable, inside: bool = False) -> bool:
+    """Whether a repeat sits inside an unbounded repeat (star height 2) anywhere in the parse."""
+    for op, arg in parsed:
+        if op in (sre_parse.MAX_REPEAT, sre_parse.MIN_REPEAT, sre_parse.POSSESSIVE_REPEAT):
+            low, high, body = arg
+            if inside and high > 1:
+                return True
+            if _nested_unbounded(body, inside or high == sre_parse.MAXREPEAT):
+                return True
+        elif op is sre_parse.SUBPATTERN and _nested_unbounded(arg[-1], inside):
+            return True
+        elif op is sre_parse.BRANCH and any(_nested_unbounded(b, inside) for b in arg[1]):
+            return True
+        elif op in (sre_parse.ASSERT, sre_parse.ASSERT_NOT) and _nested_unbounded(arg[1], inside):
+            return True
+    return False
 
 
 WINDOW_REPORTS = 1024  # Hyperscan end reports per rule before confirmation falls back to the whole text
