@@ -56,18 +56,51 @@ def _runs(positions: np.ndarray) -> np.ndarray:
 
 def decode(data: bytes) -> Decoded:
     """Decode ``data`` without ever raising; see the module docstring for the offset contract."""
-    escaped = data.decode("utf-8", "surrogateescape")
-    cps = codepoints(escaped)
-    starts = np.zeros(len(escaped) + 1, dtype=np.int64)
-    np.cumsum(_utf8_lengths(cps), out=starts[1:])
-    bad = (cps >= 0xDC80) & (cps <= 0xDCFF)
-    if not bad.any():
-        return Decoded(data, data, escaped, np.zeros((0, 2), dtype=np.int64), starts)
-    positions = starts[:-1][bad]
-    buf = np.frombuffer(data, dtype=np.uint8).copy()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return _decode_invalid(data)
+    starts = np.zeros(len(text) + 1, dtype=np.int64)
+    np.cumsum(_utf8_lengths(codepoints(text)), out=starts[1:])
+    return Decoded(data, data, text, np.zeros((0, 2), dtype=np.int64), starts)
+
+
+def _valid_starts(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per byte: starts a well-formed UTF-8 sequence, and that sequence's length (vectorised).
+
+    A byte starts one or not whatever came before it (a continuation byte never starts one), so
+    the bytes no well-formed sequence covers are exactly those Python's decoder rejects one by
+    one with ``surrogateescape``, and this costs numpy passes instead of a Python call per run."""
+    n = b.size
+    p = np.concatenate((b, np.zeros(3, dtype=np.uint8)))
+    cont = [(p[k:k + n] & 0xC0) == 0x80 for k in (1, 2, 3)]
+    b1 = p[1:1 + n]
+    two = (b >= 0xC2) & (b <= 0xDF) & cont[0]
+    three = (((b == 0xE0) & (b1 >= 0xA0)) | ((b >= 0xE1) & (b <= 0xEC)) | ((b == 0xED) & (b1 <= 0x9F))
+             | (b >= 0xEE) & (b <= 0xEF)) & cont[0] & cont[1] & (b >= 0xE0) & (b <= 0xEF)
+    four = (((b == 0xF0) & (b1 >= 0x90)) | ((b >= 0xF1) & (b <= 0xF3)) | ((b == 0xF4) & (b1 <= 0x8F))) \
+        & cont[0] & cont[1] & cont[2]
+    length = np.where(b < 0x80, 1, np.where(two, 2, np.where(three, 3, np.where(four, 4, 0))))
+    return length > 0, length
+
+
+def _decode_invalid(data: bytes) -> Decoded:
+    """``decode`` of bytes with invalid UTF-8: each invalid byte is "?" in ``clean`` and U+FFFD in ``text``."""
+    b = np.frombuffer(data, dtype=np.uint8)
+    start, length = _valid_starts(b)
+    covered = start.copy()
+    for k in (1, 2, 3):  # the continuation bytes of each well-formed sequence
+        covered[k:] |= length[:-k] > k
+    bad = ~covered
+    positions = np.flatnonzero(bad)
+    buf = b.copy()
     buf[positions] = 0x3F
-    text = np.where(bad, np.uint32(0xFFFD), cps).astype("<u4").tobytes().decode("utf-32-le")
-    return Decoded(data, buf.tobytes(), text, _runs(positions), starts)
+    clean = buf.tobytes()
+    starts = np.append(np.flatnonzero(start | bad), b.size).astype(np.int64)
+    cps = codepoints(clean.decode("utf-8")).copy()
+    cps[bad[starts[:-1]]] = 0xFFFD
+    text = cps.astype("<u4").tobytes().decode("utf-32-le")
+    return Decoded(data, clean, text, _runs(positions), starts)
 
 
 # --------------------------------------------------------------------------- detection view
@@ -200,3 +233,28 @@ def detection_view(doc: Decoded) -> View:
     clean = text.encode("utf-8", "surrogatepass")
     byte_to_raw = np.append(np.repeat(char_to_byte[:-1], _utf8_lengths(folded)), char_to_byte[-1])
     return View(clean, text, char_to_byte, byte_to_raw, changed=True)
+
+
+
+# A word boundary that knows non-ASCII letters, for Hyperscan (whose \b is ASCII-only outside UCP
+# mode, and UCP mode rejects \b): it consumes the neighbouring ASCII space, punctuation or control
+# character (a Unicode letter class would cost the rule its start-of-match mode).
+NOT_WORD = r"[\x00-\x2f\x3a-\x40\x5b-\x5e\x60\x7b-\x7f]"
+
+
+def unicode_boundaries(regex: str) -> str:
+    r"""``\b`` next to a non-ASCII letter ("\bтеперь", "é\b") never matches in Hyperscan's UTF-8
+    mode (it sees no word character there); such a ``\b`` becomes a consuming boundary instead."""
+    out, i = [], 0
+    while i < len(regex):
+        piece = regex[i:i + 2] if regex[i] == "\\" else regex[i]
+        if piece == r"\b":
+            after = regex[i + 3:i + 4] if regex[i + 2:i + 3] == "[" else regex[i + 2:i + 3]
+            before = regex[i - 1:i]
+            if after and not after.isascii():
+                piece = f"(?:^|{NOT_WORD})"
+            elif before and not before.isascii():
+                piece = f"(?:$|{NOT_WORD})"
+        out.append(piece)
+        i += 2 if regex[i] == "\\" else 1
+    return "".join(out)

@@ -16,6 +16,7 @@ from .findings import Finding, GateReport
 from .heuristics import HeuristicScanner, load_injection_rules
 from .joined import JOIN_WINDOW, scan_joined
 from .learned import WEIGHTS_PATH, NgramScorer
+from .engine import require_hyperscan
 from .errors import GateError
 from .secrets import Allowlist, SecretRule, SecretScanner, load_gitleaks, load_rules
 
@@ -29,6 +30,7 @@ class Gate:
     """Scores one tool result for prompt injection and secrets. Build once; ``scan`` is thread-safe."""
 
     def __init__(self, *, gitleaks_config: Path | None = None, learned: bool = True) -> None:
+        require_hyperscan()
         rules, allowlist = load_rules()
         if gitleaks_config is not None:
             extra, extra_allow = load_gitleaks(Path(gitleaks_config))

@@ -13,13 +13,25 @@ import re
 import threading
 from dataclasses import dataclass
 
+from .errors import GateError
+
 try:  # pragma: no cover - exercised on machines without the wheel
     import hyperscan
 
     HAVE_HYPERSCAN = True
-except ImportError:  # pragma: no cover
+    HYPERSCAN_ERROR = ""
+except ImportError as exc:  # pragma: no cover
     hyperscan = None
     HAVE_HYPERSCAN = False
+    HYPERSCAN_ERROR = str(exc)
+
+
+def require_hyperscan() -> None:
+    """The gate's time bound rests on Hyperscan (automata, linear in the input): without it the
+    rules would run on a backtracking engine over attacker text, so the gate refuses to start."""
+    if not HAVE_HYPERSCAN:
+        raise GateError(f"hyperscan cannot be imported ({HYPERSCAN_ERROR}); the gate's time bound needs it: "
+                        "install the wheel (`pip install hyperscan`, x86-64 Linux/macOS) in the gateway's environment")
 
 
 @dataclass(frozen=True)

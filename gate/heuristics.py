@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._text import Decoded, View, decode, detection_view, word_chars
+from ._text import Decoded, View, decode, detection_view, unicode_boundaries, word_chars
 from .engine import MultiMatcher, Pattern, SpanMatcher
 from .errors import GateError
 from .findings import Finding
@@ -89,7 +89,8 @@ class HeuristicScanner:
     def __init__(self, rules: list[InjectionRule], scorer: NgramScorer | None) -> None:
         self.rules = rules
         self.scorer = scorer
-        self._patterns = [Pattern(i, r.regex if r.regex else _SCREENS[r.id], caseless=True, utf8=bool(r.regex))
+        self._patterns = [Pattern(i, unicode_boundaries(r.regex) if r.regex else _SCREENS[r.id], caseless=True,
+                                  utf8=bool(r.regex))
                           for i, r in enumerate(rules)]
         self.matcher = MultiMatcher(self._patterns)
         phrases = [p for p in self._patterns if rules[p.ident].regex]

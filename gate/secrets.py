@@ -239,6 +239,7 @@ def load_gitleaks(path: Path) -> tuple[list[SecretRule], Allowlist]:
 
 
 def _compile_problem(rule: SecretRule) -> str | None:
+    """Why a user rule cannot be used within the gate's time bound (None when it can)."""
     pattern = Pattern(0, rule.regex, caseless=rule.caseless)
     try:
         rx = re.compile(rule.regex)
@@ -246,7 +247,35 @@ def _compile_problem(rule: SecretRule) -> str | None:
         return f"python re: {exc}"
     if rule.secret_group > rx.groups:
         return f"secretGroup {rule.secret_group} > {rx.groups} groups"
-    return MultiMatcher.hyperscan_error(pattern)
+    problem = MultiMatcher.hyperscan_error(pattern)
+    if problem:
+        return problem
+    if _nested_unbounded(sre_parse.parse(rule.regex)):
+        return ("not linear-safe: a repeat inside an unbounded repeat (like (a+)+) backtracks exponentially "
+                "in Python re, which confirms matches; bound the outer or inner repeat (e.g. {1,64})")
+    if _max_width(pattern) is None and not SpanMatcher([pattern]).has_start.get(0, False):
+        return ("not linear-safe: its match length is unbounded (or over 4096 bytes) and Hyperscan has no "
+                "start-of-match mode for it, so it would be confirmed over the whole text; bound its repeats "
+                "(e.g. {1,256} for + or *)")
+    return None
+
+
+def _nested_unbounded(parsed: Iterable, inside: bool = False) -> bool:
+    """Whether a repeat sits inside an unbounded repeat (star height 2) anywhere in the parse."""
+    for op, arg in parsed:
+        if op in (sre_parse.MAX_REPEAT, sre_parse.MIN_REPEAT, sre_parse.POSSESSIVE_REPEAT):
+            low, high, body = arg
+            if inside and high > 1:
+                return True
+            if _nested_unbounded(body, inside or high == sre_parse.MAXREPEAT):
+                return True
+        elif op is sre_parse.SUBPATTERN and _nested_unbounded(arg[-1], inside):
+            return True
+        elif op is sre_parse.BRANCH and any(_nested_unbounded(b, inside) for b in arg[1]):
+            return True
+        elif op in (sre_parse.ASSERT, sre_parse.ASSERT_NOT) and _nested_unbounded(arg[1], inside):
+            return True
+    return False
 
 
 WINDOW_REPORTS = 1024  # Hyperscan end reports per rule before confirmation falls back to the whole text
@@ -284,18 +313,21 @@ class SecretScanner:
         self._width = {p.ident: _max_width(p) or (p.window or None) for p in patterns}
 
     def _matches(self, data: bytes) -> Iterator[tuple[int, re.Match[bytes]]]:
-        """Every ``re`` match of every flagged rule. A rule of bounded width W is confirmed only in
-        the windows [end - W, end] before the ends Hyperscan reports (at most WINDOW_REPORTS of
-        them, else the whole text); unbounded rules read the whole text, which their regexes keep
-        linear (each scan stops at a delimiter or the next start)."""
+        """Every ``re`` match of every flagged rule, confirmed only where Hyperscan reported one: in
+        the exact [start, end] spans of rules Hyperscan compiles in start-of-match mode, else in
+        the windows [end - W, end] of a rule of bounded width W (at most WINDOW_REPORTS reports,
+        else the whole text). Only rules with neither read the whole text, which their regexes
+        keep linear (each scan stops at a delimiter or the next start)."""
         for ident in self.matcher.triggered(data):
             rx, width = self.matcher._python[ident], self._width[ident]
-            ends = self._ends.reports(ident, data) if width is not None else []
-            if width is None or not ends or len(ends) >= WINDOW_REPORTS:
+            som = self._ends.has_start.get(ident, False)
+            reports = self._ends.reports(ident, data) if width is not None or som else []
+            if not reports or len(reports) >= WINDOW_REPORTS:
                 yield from ((ident, m) for m in rx.finditer(data))
                 continue
             seen: set[tuple[int, int]] = set()
-            for lo, hi in _merge_windows((max(0, e - width), e) for _, e in ends):
+            windows = ((s, e) if som else (max(0, e - width), e) for s, e in reports)  # type: ignore[operator]
+            for lo, hi in _merge_windows(windows):
                 for m in rx.finditer(data, lo, hi):
                     if m.span() not in seen:
                         seen.add(m.span())

@@ -30,8 +30,8 @@ import structlog
 from audit import AuditLog
 from gate import Gate, GateReport, InjectionProbe
 from kvkernel import Kernel, Model
-from ledger import Ledger, NewSegment, SegmentState
-from policies import PolicyEngine
+from ledger import Ledger, NewSegment, Segment, SegmentState
+from policies import PolicyEngine, tool_identity
 
 from .chat import Conversation, RenderedMessage
 from .errors import GatewayError, fails_as
@@ -136,16 +136,30 @@ def channel_of(conv: Conversation, m: RenderedMessage, tool_spec: bool) -> str:
     return m.role
 
 
-def tool_of(conv: Conversation, m: RenderedMessage, channel: str) -> str | None:
-    """The policy's `input.tool`: the answering tool, the called tools, or none on the principal's
-    and the assistant's own text. Names the client asserts (see README, "not done")."""
+def tool_of(conv: Conversation, m: RenderedMessage, channel: str, issued: dict[str, str]) -> dict[str, Any] | None:
+    """The policy's `input.tool`: who a tool result (or the called tools, or the tool definitions)
+    comes from. `issued` is the session's record of the calls the gateway's own model made
+    (call id -> name): a result's trust-relevant name is the recorded one, and it is verified only
+    when its call id was issued here and the client's claimed name agrees. Principal and assistant
+    text has no tool (None)."""
     if channel == "tool":
-        return m.tool or "unknown"
+        return _identity([(conv.messages[m.index].tool_call_id or "", m.tool or "unknown")], issued)
     if channel == "tool_call_arguments":
-        return ",".join(c.function.name for c in conv.messages[m.index].tool_calls or ()) or "unknown"
-    if channel == "tool_definition":
-        return "tools[]"
+        calls = conv.messages[m.index].tool_calls or ()
+        return _identity([(c.id, c.function.name) for c in calls], issued) if calls else None
+    if channel == "tool_definition":  # the client's own tools[]: a label, nothing to verify
+        return tool_identity("tools[]", source="client")
     return None
+
+
+def _identity(calls: list[tuple[str, str]], issued: dict[str, str]) -> dict[str, Any]:
+    """The identity of one or more (call id, claimed name) pairs, names joined with ","."""
+    claimed = ",".join(name for _, name in calls)
+    recorded = [issued.get(cid) for cid, _ in calls]
+    if any(r is None for r in recorded):
+        return tool_identity(claimed, source="client", claimed_name=claimed)
+    name = ",".join(r for r in recorded if r is not None)
+    return tool_identity(name, source="gateway", claimed_name=claimed, verified=name == claimed)
 
 
 def not_normal(content: bytes) -> bool:
@@ -160,7 +174,7 @@ class Gated:
     """What the gate and the ledger say about one new message before the policy decides."""
 
     channel: str
-    tool: str | None
+    tool: dict[str, Any] | None  # the policy's input.tool (see tool_of)
     report: GateReport
     quarantined: list[str]
     probe_blind: bool = False
@@ -300,10 +314,12 @@ class Pipeline:
             blind = [report.injection > alone.injection or not_normal(m.content)
                      for m, (report, alone) in zip(new, reports)]
         quarantined = self._quarantined_hashes(turn.live)
+        with fails_as("ledger"):
+            issued = self.p.ledger.tool_calls.names(turn.live.record.id)
         batch: list[Staged] = []
         batch_msgs: list[RenderedMessage] = []
         for m, channel, (report, _), probe_blind in zip(new, channels, reports, blind):
-            gated = Gated(channel, tool_of(conv, m, channel), report, quarantined, probe_blind)
+            gated = Gated(channel, tool_of(conv, m, channel, issued), report, quarantined, probe_blind)
             if channel in PRINCIPAL_CHANNELS:
                 plain = self._admit_principal(principal, turn.live, m, gated)
                 if plain is not None:
@@ -414,6 +430,8 @@ class Pipeline:
                         channel=gated.channel)
         row, audit = self._admission_rows(principal, live, m, tokens, verdict, screened, reason)
         row.meta["channel"] = gated.channel
+        if gated.tool is not None:
+            row.meta["tool_identity"] = gated.tool
         action.overhead_ms = own.seconds * 1e3
         self.p.metrics.overhead_seconds.observe(own.seconds)
         log.info("tool.admitted", session=live.record.id, tool=m.tool, action=decision.action,

@@ -40,6 +40,9 @@ class TurnChannel(Protocol):
     def cancelled(self) -> bool:
         """The client went away: stop generating and end the turn."""
 
+    def tool_calls(self) -> list[dict[str, Any]]:
+        """The finished reply's tool calls in the OpenAI shape (ids assigned), as the client will get them."""
+
 
 class Gateway:
     """Sessions and their pipeline; the HTTP layer is a thin shell over this."""
@@ -92,11 +95,21 @@ class Gateway:
                     turn.end(outcome, self.pipeline)
                     self.p.metrics.turns.labels(turn.outcome).inc()
                     self.p.metrics.kv_bytes.set(self.kv_bytes())
+                if tools and turn.outcome == "completed":
+                    self._record_tool_calls(turn.session_id, channel)
             return turn
         finally:
             with self._running_changed:
                 self._running -= 1
                 self._running_changed.notify_all()
+
+    def _record_tool_calls(self, session_id: str, channel: TurnChannel) -> None:
+        """Record the calls the model made (id -> name) before the reply leaves: the results that
+        answer them are then told apart from results the client invents (`pipeline.tool_of`).
+        If the record cannot be written the reply fails, so no id goes out unrecorded."""
+        calls = {c["id"]: c["function"]["name"] for c in channel.tool_calls()}
+        with fails_as("ledger"):
+            self.p.ledger.tool_calls.record(session_id, calls)
 
     def _generate(self, turn: Turn, cfg: GenerationConfig, channel: TurnChannel) -> str:
         """Feed generated tokens to the channel; each decode step takes the model lock on its own."""

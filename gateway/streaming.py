@@ -51,6 +51,7 @@ class TurnRun:
         self.count = 0
         self._cancel = threading.Event()
         self._watcher: asyncio.Future[None] | None = None
+        self._reply: tuple[str, list[dict[str, Any]]] | None = None  # content and tool calls, parsed once
         self.id = "chatcmpl-" + uuid.uuid4().hex[:24]
         self.created = int(time.time())
 
@@ -68,6 +69,16 @@ class TurnRun:
 
     def cancelled(self) -> bool:
         return self._cancel.is_set()
+
+    def tool_calls(self) -> list[dict[str, Any]]:
+        return self._parsed(self.text.text)[1]
+
+    def _parsed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        """The reply split into content and tool calls once: the call ids the gateway records are
+        the ids the client receives."""
+        if self._reply is None:
+            self._reply = parse_tool_calls(text) if self.req.tools else (text, [])
+        return self._reply
 
     def _post(self, fn: Any, *args: Any) -> None:
         try:
@@ -120,7 +131,7 @@ class TurnRun:
                 "total_tokens": turn.prompt_tokens + self.count}
 
     def message(self, text: str) -> tuple[dict[str, Any], str]:
-        content, calls = parse_tool_calls(text) if self.req.tools else (text, [])
+        content, calls = self._parsed(text)
         message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
         if calls:
             message["tool_calls"] = calls

@@ -9,6 +9,7 @@ from .crossings import Crossing, CrossingLog
 from .errors import ErasureIncomplete, LedgerError, LedgerInvariantError, UnknownSegment, UnknownSession
 from .ledger import Intent, Ledger, NewSegment, TurnWrite
 from .records import Segment, SegmentState, SessionRecord
+from .toolcalls import ToolCallLog
 
 __all__ = [
     "ContentStore",
@@ -23,6 +24,7 @@ __all__ = [
     "Segment",
     "SegmentState",
     "SessionRecord",
+    "ToolCallLog",
     "TurnWrite",
     "UnknownSegment",
     "UnknownSession",

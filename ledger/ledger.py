@@ -23,6 +23,7 @@ from .content import ContentStore, sha256_hex
 from .crossings import CrossingLog
 from .errors import ErasureIncomplete, LedgerError, UnknownSegment, UnknownSession
 from .invariants import verify_tiling
+from .toolcalls import ToolCallLog
 from .records import CONTENT_RETIRED, IN_CACHE, Segment, SegmentState, SessionRecord
 from .schema import WRITE, blobs, intents, make_engine, metadata, segments, sessions
 
@@ -145,6 +146,7 @@ class Ledger:
         metadata.create_all(self._engine, checkfirst=True)
         self.content = ContentStore(self._engine, self._serial)
         self.crossings = CrossingLog(self._engine, self._serial)
+        self.tool_calls = ToolCallLog(self._engine, self._serial)
 
     def close(self) -> None:
         self._engine.dispose()

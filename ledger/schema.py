@@ -101,6 +101,18 @@ intents = Table(
     Index("ix_ledger_intents_session", "session_id"),
 )
 
+# The tool calls the gateway's own model made, per session: what a `role=tool` result claims to
+# answer is checked against these (names only, never arguments or content). A call id is the
+# gateway's ("call_" + random hex), so a client cannot guess one it was not shown.
+tool_calls = Table(
+    "ledger_tool_calls",
+    metadata,
+    Column("session_id", String(200), ForeignKey("ledger_sessions.id", ondelete="CASCADE"), primary_key=True),
+    Column("call_id", String(200), primary_key=True),
+    Column("name", String(200), nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+)
+
 blobs = Table(
     "ledger_blobs",
     metadata,

@@ -13,6 +13,7 @@ from policies.model import (
     Retention,
     Tenancy,
     derive_salt,
+    tool_identity,
 )
 from policies.regotest import RegoTestReport, RegoTestResult, run_rego_tests
 
@@ -27,4 +28,5 @@ __all__ = [
     "Tenancy",
     "derive_salt",
     "run_rego_tests",
+    "tool_identity",
 ]

@@ -13,7 +13,15 @@
 #     "content_sha256": string                                         (optional)
 #     "session": {"id": string, "age_s": number, "tokens": number,
 #                 "quarantined_hashes": [string, ...]}                  (optional list)
-#     "tool":    string      (null or absent allowed on user/assistant/system/developer),
+#     "tool":    {"name": string, "claimed_name": string | null, "verified": boolean,
+#                 "source": "gateway" | "mcp" | "client"}
+#                | string    (a bare name: what the caller claims, treated as
+#                             {"name": s, "claimed_name": s, "verified": false, "source": "client"})
+#                (null or absent allowed on user/assistant/system/developer)
+#                `name` is the trust-relevant name: on chat, the function name the gateway's own
+#                model called under the result's tool_call_id (source "gateway"); on mcp, the
+#                upstream route the result came from (source "mcp"). `verified` is true only when
+#                such a server-side record backs `name` and the client's claim agrees with it.
 #     "span":    {"bytes": number, "tokens": number},
 #     "gate":    {"injection": number in [0, 1], "secret": number in [0, 1],
 #                 "findings": [{"kind": string, "rule_id": string, "layer": string, "score": number}],
@@ -28,9 +36,11 @@
 #   0 input_invalid        quarantine   the input does not have the documented shape
 #   1 quarantined_content  quarantine   content_sha256 is in session.quarantined_hashes: bytes
 #                                       quarantined once stay quarantined on every channel
-#   1 blocked_tool         quarantine   tool is blocked globally or for the tenant
+#   1 blocked_tool         quarantine   tool.name or tool.claimed_name is blocked globally or for
+#                                       the tenant (a claim is enough to block, never to trust)
 #   2 injection_threshold  quarantine   injection score at or over the tenant's threshold
-#                                       (trusted tools use thresholds.trusted_injection);
+#                                       (trusted tools use thresholds.trusted_injection: only a
+#                                       verified identity from the gateway or the mcp proxy);
 #                                       not on the tenant's principal_channels (default user,
 #                                       system, developer: the principal's own words instruct)
 #   3 span_limit           quarantine   span longer than max_span_tokens
@@ -78,8 +88,9 @@ decision_fired contains {"rank": 1, "action": "quarantine", "reason": msg} if {
 
 decision_fired contains {"rank": 1, "action": "quarantine", "reason": msg} if {
 	decision_input_ok
-	input.tool in blocked_tools
-	msg := sprintf("blocked_tool: tool %s is blocked for tenant %s", [input.tool, input.tenant])
+	some name in tool_names
+	name in blocked_tools
+	msg := sprintf("blocked_tool: tool %s is blocked for tenant %s", [name, input.tenant])
 }
 
 decision_fired contains {"rank": 2, "action": "quarantine", "reason": msg} if {
@@ -129,15 +140,39 @@ decision_channel := object.get(input, "channel", "tool")
 
 # The byte gate alone and the probe stack are different scores with different operating points
 # (gate/README.md measures both on kinds never trained on): each has its own default threshold.
-injection_limit := tenant_settings.thresholds.trusted_injection if input.tool in trusted_tools
+injection_limit := tenant_settings.thresholds.trusted_injection if tool_trusted
 
 else := tenant_settings.thresholds.injection_byte_gate if input.gate.scorer == "byte_gate"
 
 else := tenant_settings.thresholds.injection
 
-trusted_note := sprintf(" (trusted tool %s)", [input.tool]) if input.tool in trusted_tools
+trusted_note := sprintf(" (trusted tool %s)", [tool_identity.name]) if tool_trusted
+
+else := sprintf(" (tool name %s is unverified: trust not applied)", [tool_identity.claimed_name]) if {
+	tool_identity.verified != true
+	tool_identity.claimed_name in trusted_tools
+}
 
 else := ""
+
+# The tool's identity (see the header): a bare string is a claim, never verified.
+tool_identity := {"name": input.tool, "claimed_name": input.tool, "verified": false, "source": "client"} if {
+	is_string(input.tool)
+}
+
+else := input.tool if is_object(input.tool)
+
+else := {}
+
+# Every name a tool goes by: blocking applies to any of them.
+tool_names := {n | some key in ["name", "claimed_name"]; n := object.get(tool_identity, key, null); non_empty_string(n)}
+
+# Trust needs a server-side record: the gateway's own tool call, or the mcp proxy's route.
+tool_trusted if {
+	tool_identity.verified == true
+	tool_identity.source in {"gateway", "mcp"}
+	tool_identity.name in trusted_tools
+}
 
 # Amortize (a Leyline splice, not an erasure) needs both switches, so a typo in one
 # of them cannot silently turn erasure off.
@@ -169,7 +204,7 @@ decision_input_problems contains msg if {
 decision_checks := {
 	"tenant": "tenant must be a non-empty string",
 	"channel": "channel must be one of tool, mcp, tool_definition, tool_call_arguments, user, assistant, system, developer",
-	"tool": "tool must be a non-empty string (null allowed on user, assistant, system, developer)",
+	"tool": "tool must be a non-empty string or {name: non-empty string, claimed_name: string or null, verified: boolean, source: gateway, mcp or client} (null allowed on user, assistant, system, developer)",
 	"content": "content_sha256 must be a string and session.quarantined_hashes a list of strings",
 	"injection": "gate.injection must be a number in [0, 1]",
 	"secret": "gate.secret must be a number in [0, 1]",
@@ -183,6 +218,14 @@ decision_valid contains "tenant" if non_empty_string(input.tenant)
 decision_valid contains "channel" if decision_channel in decision_channels
 
 decision_valid contains "tool" if non_empty_string(input.tool)
+
+decision_valid contains "tool" if {
+	non_empty_string(input.tool.name)
+	claimed := object.get(input.tool, "claimed_name", null)
+	any_of_null_or_string(claimed)
+	is_boolean(input.tool.verified)
+	input.tool.source in {"gateway", "mcp", "client"}
+}
 
 decision_valid contains "tool" if {
 	not decision_channel in tool_channels
@@ -205,3 +248,7 @@ decision_valid contains "findings" if is_array(input.gate.findings)
 decision_valid contains "span" if is_number(input.span.tokens)
 
 decision_valid contains "session" if is_number(input.session.tokens)
+
+any_of_null_or_string(x) if x == null
+
+any_of_null_or_string(x) if is_string(x)

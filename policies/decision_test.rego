@@ -64,15 +64,50 @@ test_stricter_tenant_quarantines_low_scores if {
 	d.reasons == ["injection_threshold: injection 0.25 >= 0.20"]
 }
 
+# A tool identity the gateway verified: its own model called `name` under the result's call id.
+issued(name) := {"name": name, "claimed_name": name, "verified": true, "source": "gateway"}
+
 test_trusted_tool_uses_trusted_threshold if {
-	d := decide(req("acme", "search.internal", {"injection": 0.85, "secret": 0, "findings": []}))
+	d := decide(req("acme", issued("search.internal"), {"injection": 0.85, "secret": 0, "findings": []}))
 	d.action == "allow"
-	e := decide(req("acme", "search.internal", {"injection": 0.999, "secret": 0, "findings": []}))
+	e := decide(req("acme", issued("search.internal"), {"injection": 0.999, "secret": 0, "findings": []}))
 	e.reasons == ["injection_threshold: injection 1.00 >= 0.99 (trusted tool search.internal)"]
 }
 
 test_trust_is_per_tenant if {
-	decide(req("nobody", "search.internal", {"injection": 0.98, "secret": 0, "findings": []})).action == "quarantine"
+	decide(req("nobody", issued("search.internal"), {"injection": 0.98, "secret": 0, "findings": []})).action == "quarantine"
+}
+
+test_a_claimed_tool_name_never_gets_trusted_treatment if {
+	gate := {"injection": 0.85, "secret": 0, "findings": []}
+	reason := "injection_threshold: injection 0.85 >= 0.80 (tool name search.internal is unverified: trust not applied)"
+	decide(req("acme", "search.internal", gate)).reasons == [reason] # a bare name is a claim
+	forged := {"name": "search.internal", "claimed_name": "search.internal", "verified": false, "source": "client"}
+	decide(req("acme", forged, gate)).reasons == [reason]
+	renamed := {"name": "web.fetch", "claimed_name": "search.internal", "verified": false, "source": "gateway"}
+	decide(req("acme", renamed, gate)).reasons == [reason]
+	asserted := {"name": "search.internal", "claimed_name": "search.internal", "verified": true, "source": "client"}
+	decide(req("acme", asserted, gate)).action == "quarantine" # verified needs a server-side source
+}
+
+test_blocked_tools_apply_to_the_recorded_and_the_claimed_name if {
+	recorded := {"name": "browser.raw", "claimed_name": "web.fetch", "verified": false, "source": "gateway"}
+	decide(req("acme", recorded, clean)).reasons == ["blocked_tool: tool browser.raw is blocked for tenant acme"]
+	claimed := {"name": "web.fetch", "claimed_name": "browser.raw", "verified": false, "source": "gateway"}
+	decide(req("acme", claimed, clean)).reasons == ["blocked_tool: tool browser.raw is blocked for tenant acme"]
+}
+
+test_malformed_tool_identity_is_invalid if {
+	reason := "input_invalid: tool must be a non-empty string or {name: non-empty string, claimed_name: string or null, verified: boolean, source: gateway, mcp or client} (null allowed on user, assistant, system, developer)"
+	every tool in [
+		{"name": "x", "claimed_name": null, "verified": "yes", "source": "gateway"},
+		{"name": "x", "claimed_name": null, "verified": true, "source": "me"},
+		{"name": "", "claimed_name": null, "verified": true, "source": "gateway"},
+		{"name": "x", "claimed_name": 3, "verified": true, "source": "gateway"},
+	] {
+		decide(req("acme", tool, clean)).reasons == [reason]
+	}
+	decide(req("acme", {"name": "x", "verified": false, "source": "client"}, clean)).action == "allow"
 }
 
 test_tenant_blocked_tool_quarantines if {
@@ -114,7 +149,8 @@ test_only_redact_carries_redact_kinds if {
 	not decide(req("forgetful", "web.fetch", {"injection": 0.1, "secret": 0.97, "findings": []})).redact_kinds
 }
 
-mcp_req(tenant, tool, gate) := object.union(req(tenant, tool, gate), {"channel": "mcp", "upstream": "docs", "phase": "result"})
+# The MCP proxy names the tool from the route it took: verified, source "mcp".
+mcp_req(tenant, tool, gate) := object.union(req(tenant, {"name": tool, "claimed_name": tool, "verified": true, "source": "mcp"}, gate), {"channel": "mcp", "upstream": "docs", "phase": "result"})
 
 test_mcp_trusted_tool_uses_trusted_threshold_on_channel_mcp_only if {
 	gate := {"injection": 0.98, "secret": 0, "findings": []}
@@ -250,7 +286,7 @@ test_unknown_channel_is_invalid if {
 
 test_tool_channels_need_a_tool_name if {
 	d := decide(on("tool_call_arguments", null, clean))
-	d.reasons == ["input_invalid: tool must be a non-empty string (null allowed on user, assistant, system, developer)"]
+	d.reasons == ["input_invalid: tool must be a non-empty string or {name: non-empty string, claimed_name: string or null, verified: boolean, source: gateway, mcp or client} (null allowed on user, assistant, system, developer)"]
 }
 
 test_malformed_quarantined_hashes_are_invalid if {

@@ -12,6 +12,19 @@ NON_TEXT = frozenset({"pass", "withhold"})
 SCOPES = frozenset({"tenant", "tenant_user", "public"})
 
 
+TOOL_SOURCES = frozenset({"gateway", "mcp", "client"})
+
+
+def tool_identity(name: str, *, source: str, claimed_name: str | None = None, verified: bool = False) -> dict[str, Any]:
+    """The decision policy's `input.tool`: who produced a tool result, and whether the client's word
+    is all there is. `name` is the trust-relevant name (the gateway's record, or the MCP route);
+    `claimed_name` what the client said; `verified` only when a server-side record backs `name` and
+    the claim agrees with it. Trusted tools apply to verified identities only (decision.rego)."""
+    if source not in TOOL_SOURCES:
+        raise ValueError(f"tool source {source!r} is not one of {sorted(TOOL_SOURCES)}")
+    return {"name": name, "claimed_name": claimed_name, "verified": verified, "source": source}
+
+
 class PolicyError(Exception):
     """A policy could not give a well-formed answer (bad bundle, engine error, OPA down, malformed result)."""
 

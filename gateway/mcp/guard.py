@@ -1,8 +1,8 @@
 """The gated tool-call path: a call's arguments and its result go through gate → policy → ledger → audit.
 
 The same gate, policy and redaction as the chat endpoint (gateway/screen.py), with
-`input.channel = "mcp"`, the upstream the proxy routed to and the exported tool name. What the
-agent then receives:
+`input.channel = "mcp"`, the upstream the proxy routed to and the exported tool name (as a verified
+identity, `source: "mcp"`: the proxy's route names it, not the client). What the agent then receives:
 
   allow       the upstream's result, unchanged (the same objects, so the same bytes on the wire)
   quarantine  one text block naming the reason (`isError: true`); its digests are remembered for
@@ -36,7 +36,7 @@ import structlog
 from audit import AuditLog
 from gate import Cut, Finding, Gate, GateReport, Redaction, redact
 from ledger import CrossingLog, Ledger
-from policies import Decision, PolicyEngine
+from policies import Decision, PolicyEngine, tool_identity
 
 from ..screen import Screened, apply_redact, gate_input
 from ..tenants import Principal
@@ -239,7 +239,7 @@ class Guard:
     def _input(self, call: Call, phase: str, report: GateReport, n_bytes: int) -> dict[str, Any]:
         # No tokenizer at this boundary: 4 bytes a token is the estimate the span limits see.
         return {"tenant": call.tenant, "user": call.principal.user, "channel": "mcp", "upstream": call.upstream,
-                "phase": phase, "tool": call.tool,
+                "phase": phase, "tool": tool_identity(call.tool, source="mcp", claimed_name=call.tool, verified=True),
                 "session": {"id": call.session_id or "none", "age_s": 0, "tokens": 0},
                 "span": {"bytes": n_bytes, "tokens": -(-n_bytes // 4)}, "gate": gate_input(report)}
 

@@ -7,12 +7,19 @@ CPU-time ratio near 8 (a quadratic confirmation gives ~64; the bound allows 2.5x
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+from structlog.testing import capture_logs
 
 from gate import Gate
 from gate._text import decode
 from gate.bench import scan_seconds
 from gate.engine import Pattern, SpanMatcher
+from gate.secrets import load_gitleaks
 from gate.heuristics import _attribute_values, _comments, _css_hidden, HIDDEN_SCORED
 from gate.worst import TOOL_RESULT_LIMIT, WORST_CASES, every_rule_tail, with_tail
 
@@ -72,3 +79,45 @@ def test_many_hidden_regions_cost_a_bounded_number_of_scorings(gate: Gate, monke
     report = gate.scan(WORST_CASES["html-comments-closed"](TOOL_RESULT_LIMIT))
     assert len(calls) == HIDDEN_SCORED + 1
     assert any(f.rule_id == "hidden-html" for f in report.findings)
+
+
+def test_the_gate_refuses_to_start_without_hyperscan() -> None:
+    """No silent fallback to a backtracking engine: the import failure is named with its fix."""
+    code = "import sys; sys.modules['hyperscan'] = None\nfrom gate import Gate\nGate(learned=False)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert run.returncode != 0
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("gate.errors.GateError: hyperscan cannot be imported"), run.stderr
+    assert "pip install hyperscan" in last
+
+
+def test_gitleaks_rules_that_are_not_linear_safe_are_skipped_naming_the_fix(tmp_path: Path) -> None:
+    config = tmp_path / "gitleaks.toml"
+    config.write_text(
+        "[[rules]]\nid = 'bounded'\nregex = '''acme_[a-z0-9]{32}'''\n"
+        "[[rules]]\nid = 'nested'\nregex = '''(?:[a-z]+_)*acme_[a-z0-9]{32}'''\n"
+        "[[rules]]\nid = 'nested-bounded'\nregex = '''(?:acme_[a-z0-9]{1,4})+x'''\n")
+    with capture_logs() as logs:
+        rules, _ = load_gitleaks(config)
+    assert [r.id for r in rules] == ["gitleaks:bounded"]
+    skipped = {e["rule_id"]: e["reason"] for e in logs if e["event"] == "gitleaks_rule_skipped"}
+    assert set(skipped) == {"gitleaks:nested", "gitleaks:nested-bounded"}
+    assert all(r.startswith("not linear-safe: a repeat inside an unbounded repeat") and "bound the" in r
+               for r in skipped.values())
+
+
+def test_user_gitleaks_rules_keep_the_scan_linear(tmp_path: Path) -> None:
+    config = tmp_path / "gitleaks.toml"
+    config.write_text("[[rules]]\nid = 'acme'\nregex = '''acme_(?:live|test)_[A-Za-z0-9]{24,}'''\nentropy = 3.0\n")
+    gate = Gate(gitleaks_config=config)
+    build = _repeat_unit("acme_live_aB3xY9kQ2mN7pL5rT8vW4zC6 ")
+    small, large = build(SMALL), build(TOOL_RESULT_LIMIT)
+    assert any(f.rule_id == "gitleaks:acme" for f in gate.scan(small).findings)
+    t_small = scan_seconds(gate, small, repeats=5)
+    t_large = scan_seconds(gate, large, repeats=3)
+    assert t_large <= LINEAR_RATIO_BOUND * max(t_small, 2e-3), (t_small, t_large)
+
+
+def _repeat_unit(unit: str):
+    return lambda n: (unit.encode() * (n // len(unit) + 1))[:n]

@@ -43,7 +43,8 @@ from mcp_upstream import CLEAN, CREDENTIALS, PAGE  # noqa: E402
 
 FIXTURE, HOSTILE = HERE / "mcp_upstream.py", HERE / "mcp_hostile.py"
 PY = sys.executable
-PROXY_PORT, UPSTREAM_PORT = 18160, 18161
+PROXY_PORT = int(os.environ.get("LETHE_TEST_MCP_PORT", "18160"))  # override per worktree, like LETHE_TEST_PORT
+UPSTREAM_PORT = PROXY_PORT + 1
 AWS_KEY, AWS_SECRET = "AKIAPTGZ6JFEBZSDOXRL", "nHBdHIyvNLVlRXFwF8JlMaLNy02K35uDNHfkf7J8"
 REDACTED = ("[default]\naws_access_key_id = [REDACTED:aws_access_key_id]\n"
             "aws_secret_access_key = [REDACTED:aws_secret_access_key]\nregion = eu-west-1\n")

@@ -76,8 +76,10 @@ def test_trust_snippet_and_its_rego_test_hold(tmp_path: Path) -> None:
     base = {"tenant": "acme", "user": "alice", "session": {"id": "s", "age_s": 1, "tokens": 0},
             "span": {"bytes": 10, "tokens": 3}, "gate": {"injection": 0.98, "secret": 0, "findings": []}}
     mcp = {"channel": "mcp", "upstream": "fs", "phase": "result"}
-    assert engine.decide({**base, **mcp, "tool": "fs__read_file"}).action == "allow"
-    assert engine.decide({**base, "tool": "fs__read_file"}).action == "quarantine"  # a chat name gains nothing
-    assert engine.decide({**base, **mcp, "tool": "fs__list_directory"}).action == "quarantine"
+    routed = {"name": "fs__read_file", "claimed_name": "fs__read_file", "verified": True, "source": "mcp"}
+    assert engine.decide({**base, **mcp, "tool": routed}).action == "allow"
+    assert engine.decide({**base, "tool": routed}).action == "quarantine"  # a chat name gains nothing
+    assert engine.decide({**base, **mcp, "tool": "fs__read_file"}).action == "quarantine"  # a bare claim neither
+    assert engine.decide({**base, **mcp, "tool": {**routed, "name": "fs__list_directory"}}).action == "quarantine"
     clean = {**base, **mcp, "tool": "fs__write_file", "gate": {"injection": 0, "secret": 0, "findings": []}}
     assert engine.decide(clean).reasons == ("blocked_tool: tool fs__write_file is blocked for tenant acme",)
