@@ -30,7 +30,7 @@ import structlog
 from audit import AuditLog
 from gate import Gate, GateReport, InjectionProbe
 from kvkernel import Kernel, Model
-from ledger import Ledger, NewSegment, Segment, SegmentState
+from ledger import Ledger, NewSegment, SegmentState
 from policies import PolicyEngine, tool_identity
 
 from .chat import Conversation, RenderedMessage
