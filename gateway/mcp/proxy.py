@@ -7,6 +7,7 @@ over HTTP, the tenant named at start over stdio), never from the request's argum
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -23,7 +24,7 @@ from ledger import Ledger
 
 from .. import __version__
 from ..tenants import Principal
-from .guard import Call, Guard, Outcome, ScreeningError
+from .guard import Call, Guard, Outcome, Pending, ScreeningError
 from .settings import McpSettings
 from .upstream import Upstreams, UpstreamError
 
@@ -86,14 +87,21 @@ class Proxy:
         async def call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
             return await self.call(caller_of(ctx), params.name, dict(params.arguments or {}))
 
+        def input_schema(name: str) -> dict[str, Any] | None:
+            # The SDK checks a call's `Mcp-Param-*` headers against the tool's input schema; without
+            # this look-up it runs the whole tools/list handler (every definition) on every call.
+            tool = self._upstreams.known(name) if self._upstreams is not None else None
+            return tool.input_schema if tool is not None else None
+
         return Server("lethe-mcp", version=__version__, on_list_tools=list_tools, on_call_tool=call_tool,
+                      get_tool_input_schema=input_schema,
                       instructions="Lethe screens every tool result and every call's arguments; "
                                    "a withheld result names the reason.")
 
     async def _definition_allowed(self, caller: Caller, name: str, tool: types.Tool) -> bool:
         call = Call(caller.principal, None, name.split("__", 1)[0], name)
         try:
-            decision = await self._off_loop(self.guard.screen_tool, call, tool)
+            decision = self.guard.known_definition(call, tool) or await self._off_loop(self.guard.screen_tool, call, tool)
         except ScreeningError as exc:
             raise MCPError(types.INTERNAL_ERROR, f"lethe could not screen tool {name!r}: {exc}") from exc
         return bool(decision.action == "allow")
@@ -123,12 +131,13 @@ class Proxy:
         if not await self._definition_allowed(caller, name, definition):
             raise MCPError(types.INVALID_PARAMS, f"tool {name!r} is withheld by policy: its definition did not "
                                                  "pass the gate (see the audit log's definition record)")
-        session = await self._off_loop(self.linked_session, caller.principal, caller.session_id)
+        session = None if caller.session_id is None else \
+            await self._off_loop(self.linked_session, caller.principal, caller.session_id)
         call = Call(caller.principal, session, route[0], name)
         try:
-            refusal, record = await self._off_loop(self.guard.check_arguments, call, arguments)
+            refusal, record = await self._off_loop(self.guard.screen_arguments, call, arguments)
             if refusal is not None:
-                return _stamped(refusal, call, started)
+                return _stamped(await _durable(refusal, call), call, started)
             upstream_started = time.perf_counter()
             try:
                 result = await self.upstreams.call(route[0], route[1], arguments)
@@ -136,17 +145,34 @@ class Proxy:
                 await self._off_loop(self.guard.upstream_failed, call, record, str(exc))
                 raise MCPError(UPSTREAM_FAILED, str(exc)) from exc
             call.spent["upstream"] = time.perf_counter() - upstream_started
-            outcome = await self._off_loop(self.guard.screen_result, call, result, record)
+            pending = await self._off_loop(self.guard.decide_result, call, result, record)
+            outcome = await _durable(pending, call)
         except ScreeningError as exc:
             raise MCPError(types.INTERNAL_ERROR, f"lethe could not screen this call: {exc}") from exc
         return _stamped(outcome, call, started)
 
 
+async def _durable(pending: Pending, call: Call) -> Outcome:
+    """Wait, on the event loop rather than a guard thread, until the decision's records are
+    committed: the guard's few threads stay free, so every call waiting at a commit joins the next
+    one. The agent gets the outcome only after that; a failed commit is a ScreeningError."""
+    started = time.perf_counter()
+    try:
+        index = await asyncio.wrap_future(pending.committed)
+    except Exception as exc:
+        raise pending.failed(exc) from exc
+    finally:
+        call.spent["commit"] = time.perf_counter() - started
+    return pending.outcome(index)
+
+
 def _stamped(outcome: Outcome, call: Call, started: float) -> types.CallToolResult:
     """The result with the decision in `_meta` (the crossing id an auditor looks up, and the proxy's
-    own time: the handler's wall time less the upstream's and the gate's)."""
+    own time: the handler's wall time less the upstream's and the gate's; of it, the wait for the
+    durable commit of the decision's records)."""
     own = time.perf_counter() - started - call.spent.get("upstream", 0.0) - call.spent.get("gate", 0.0)
     meta = {**(outcome.result.meta or {}), META_KEY: {
         "action": outcome.decision.action, "crossing": outcome.crossing_id, "audit_index": outcome.audit_index,
-        "overhead_ms": round(own * 1e3, 3), "gate_ms": round(call.spent.get("gate", 0.0) * 1e3, 3)}}
+        "overhead_ms": round(own * 1e3, 3), "gate_ms": round(call.spent.get("gate", 0.0) * 1e3, 3),
+        "commit_ms": round(call.spent.get("commit", 0.0) * 1e3, 3)}}
     return outcome.result.model_copy(update={"meta": meta})

@@ -136,6 +136,13 @@ class Upstreams:
             return None
         return parts
 
+    def known(self, exported: str) -> types.Tool | None:
+        """The definition behind `exported` as last listed, without connecting or listing: None if
+        the proxy has none at hand (for the SDK's per-call header check, which skips on None)."""
+        route = self.route(exported)
+        link = self._links.get(route[0]) if route else None
+        return link.tools.get(route[1]) if link and route else None
+
     async def definition(self, upstream: str, tool: str) -> types.Tool:
         """The tool as the upstream lists it (listing again once if it is not there yet)."""
         link = await self.link(upstream)
