@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -93,11 +93,23 @@ class AuditLog:
         """Validate, canonicalise and durably append one record; return its index."""
         return self.append_many([record])[0]
 
-    def append_many(self, records: Sequence[dict]) -> list[int]:
-        """Append records in one transaction (one fsync): the way to batch for throughput."""
+    @property
+    def database(self) -> str:
+        """The database this log lives in (password hidden): a store in the same one may share its commits."""
+        return self._engine.url.render_as_string(hide_password=True)
+
+    def append_many(self, records: Sequence[dict], *, alongside: Callable[[Connection], None] | None = None) -> list[int]:
+        """Append records in one transaction (one fsync): the way to batch for throughput.
+
+        `alongside` writes another store's rows on this transaction's connection (a store in the
+        same `database`), so they and the records commit together or not at all: one durable
+        commit instead of two, and never one without the other.
+        """
         if not records:
             return []
         with db.write_transaction(self._engine) as conn:
+            if alongside is not None:
+                alongside(conn)
             now = datetime.now(timezone.utc)
             size, signed = self._head(conn)
             indices, edge = self._append_locked(conn, size, [validate(r, now) for r in records])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from datetime import datetime, timezone
 from typing import Any
 
@@ -42,9 +42,17 @@ class Crossing:
                 "created_at": self.created_at.isoformat(), "meta": self.meta}
 
 
+def _row(c: Crossing) -> dict[str, Any]:
+    """A crossing as a row; `meta` is copied as is (dataclasses.asdict deep-copies it, a cost per call)."""
+    return {f: getattr(c, f) for f in _FIELDS}
+
+
 def _insert_ignore(conn: Connection):  # type: ignore[no-untyped-def]
     dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
     return dialect.insert(withheld).on_conflict_do_nothing()
+
+
+_FIELDS = tuple(f.name for f in fields(Crossing))
 
 
 class CrossingLog:
@@ -61,14 +69,25 @@ class CrossingLog:
         return Crossing("crs_" + secrets.token_hex(12), tenant, session_id, channel, upstream, tool, phase,
                         content_sha256, action, datetime.now(timezone.utc), meta)
 
+    @property
+    def database(self) -> str:
+        """The database the crossings live in (password hidden)."""
+        return self._engine.url.render_as_string(hide_password=True)
+
     def write(self, rows: list[tuple[Crossing, Iterable[str]]]) -> None:
         """Crossings, each with the digests it withholds, in one transaction (one commit for a batch)."""
+        with self._serial, self._engine.connect().execution_options(**{WRITE: True}) as conn, conn.begin():
+            self.insert(conn, rows)
+
+    @staticmethod
+    def insert(conn: Connection, rows: list[tuple[Crossing, Iterable[str]]]) -> None:
+        """The statements of `write` on a connection whose transaction the caller commits: another
+        store's writer in the same database (the audit log) commits them with its own rows."""
         withheld_rows = [{"tenant": c.tenant, "sha256": d, "crossing_id": c.id}
                          for c, digests in rows for d in sorted(set(digests))]
-        with self._serial, self._engine.connect().execution_options(**{WRITE: True}) as conn, conn.begin():
-            conn.execute(insert(crossings), [asdict(c) for c, _ in rows])
-            if withheld_rows:
-                conn.execute(_insert_ignore(conn), withheld_rows)
+        conn.execute(insert(crossings), [_row(c) for c, _ in rows])
+        if withheld_rows:
+            conn.execute(_insert_ignore(conn), withheld_rows)
 
     def record(self, *, withhold: Iterable[str] = (), **fields: Any) -> Crossing:
         """One crossing written on its own; `withhold` are digests to refuse on re-entry."""

@@ -26,7 +26,8 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -75,6 +76,30 @@ class Outcome:
     decision: Decision
     crossing_id: str
     audit_index: int
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A decision whose records are queued for the next group commit. Nothing of it may reach the
+    agent before its `committed` future resolves: `Guard.settle` (or the proxy's async wait) turns
+    it into the Outcome, or into a ScreeningError if the commit failed (fail closed). Waiting off
+    the guard's threads lets concurrent calls share one commit."""
+
+    result: types.CallToolResult
+    decision: Decision
+    crossing_id: str
+    about: dict[str, str]  # tenant, tool, phase, action: for the log lines
+    committed: Future[int]
+
+    def outcome(self, audit_index: int) -> Outcome:
+        log.info("mcp.decision", **self.about, crossing=self.crossing_id, audit_index=audit_index)
+        return Outcome(self.result, self.decision, self.crossing_id, audit_index)
+
+    def failed(self, exc: BaseException) -> ScreeningError:
+        """The error the agent gets when this decision's records could not be committed."""
+        log.error("mcp.record_failed", **self.about, crossing=self.crossing_id, error=type(exc).__name__)
+        return ScreeningError(f"the decision could not be recorded ({type(exc).__name__}); "
+                              "nothing was passed on; check the ledger and audit databases")
 
 
 # ---- text parts ------------------------------------------------------------------------------------
@@ -226,6 +251,7 @@ class Guard:
         self.recorder = Recorder(ledger, audit)
         self.max_result_bytes = max_result_bytes
         self._definitions: dict[tuple[str, str, str], Decision] = {}
+        self._digests: dict[int, tuple[types.Tool, str]] = {}
 
     def _scan(self, data: bytes, call: Call) -> GateReport:
         started = time.perf_counter()
@@ -263,11 +289,26 @@ class Guard:
 
     # -- tool definitions ---------------------------------------------------------------------------
 
+    def known_definition(self, call: Call, tool: types.Tool) -> Decision | None:
+        """The decision `screen_tool` already took on this definition for this tenant, if any: a
+        dictionary look-up, cheap enough for the event loop (no thread hop per call)."""
+        return self._definitions.get((call.tenant, call.tool, self._definition_sha(tool)))
+
+    def _definition_sha(self, tool: types.Tool) -> str:
+        """The digest of a definition, remembered per Tool object (the upstream link keeps one per
+        listing; `is` guards against a reused id)."""
+        seen = self._digests.get(id(tool))
+        if seen is None or seen[0] is not tool:
+            if len(self._digests) >= 4096:
+                self._digests.clear()
+            seen = self._digests[id(tool)] = (tool, _definition(tool).sha256)
+        return seen[1]
+
     def screen_tool(self, call: Call, tool: types.Tool) -> Decision:
         """Whether the agent may see and call this tool: its definition (description, titles, schema
         text) reaches the agent's model too, so a poisoned description is an injection like any
         other. Screened once per tenant and distinct definition; anything but allow hides the tool."""
-        doc = Document.of(list(_json_parts(tool.model_dump(mode="json", exclude={"name"}, exclude_none=True))))
+        doc = _definition(tool)
         key = (call.tenant, call.tool, doc.sha256)
         decision = self._definitions.get(key)
         if decision is not None:
@@ -276,7 +317,7 @@ class Guard:
         decision = screened.decision
         if decision.action != "allow":
             body = {**self._body("mcp-result", call, doc, report, decision, None), "phase": "definition"}
-            self._record(call, "definition", doc.sha256, decision, body, [])
+            self.settle(self._record(call, "definition", doc.sha256, decision, body, [], stub_result("")))
         if len(self._definitions) >= 4096:
             self._definitions.clear()
         self._definitions[key] = decision
@@ -284,31 +325,39 @@ class Guard:
 
     # -- arguments ---------------------------------------------------------------------------------
 
-    def check_arguments(self, call: Call, arguments: dict[str, Any]) -> tuple[Outcome | None, dict[str, Any]]:
+    def screen_arguments(self, call: Call, arguments: dict[str, Any]) -> tuple[Pending | None, dict[str, Any]]:
         """The refusal (None when the call may go ahead) and the call's `mcp-call` record. An allowed
-        call's record is written later with its result, in one commit (`screen_result` or
-        `upstream_failed`); a refused call's is written here."""
+        call's record is written later with its result, in one commit (`decide_result` or
+        `upstream_failed`); a refused call's is queued here."""
         doc = Document.of(list(_json_parts(arguments)))
         report, screened, _ = self._decide(call, "arguments", doc)
         decision = screened.decision
         body = self._body("mcp-call", call, doc, report, decision, None)
         if decision.action == "allow":
             return None, body
-        crossing, index = self._record(call, "arguments", doc.sha256, decision, body, [])
-        text = (f"[tool call refused by policy: {_reason(report)}] {call.tool} was not called. "
-                f"Reasons: {'; '.join(decision.reasons)} (lethe crossing {crossing})")
-        return Outcome(stub_result(text), decision, crossing, index), body
+
+        def refusal(crossing: str) -> types.CallToolResult:
+            return stub_result(f"[tool call refused by policy: {_reason(report)}] {call.tool} was not called. "
+                               f"Reasons: {'; '.join(decision.reasons)} (lethe crossing {crossing})")
+        return self._record(call, "arguments", doc.sha256, decision, body, [], refusal), body
 
     def upstream_failed(self, call: Call, call_record: dict[str, Any], error: str) -> None:
         """An allowed call whose upstream failed: its call record, and the failure, are still written."""
         decision = Decision("quarantine", (f"upstream_error: {error}",), self.policy.bundle_hash)
         body = self._body("mcp-result", call, Document.of([]), None, decision, None)
-        self._record(call, "result", body["content_sha256"], decision, body, [], call_record)
+        self.settle(self._record(call, "result", body["content_sha256"], decision, body, [], stub_result(""),
+                                 call_record))
 
     # -- results -----------------------------------------------------------------------------------
 
     def screen_result(self, call: Call, result: types.CallToolResult,
                       call_record: dict[str, Any] | None = None) -> Outcome:
+        """`decide_result`, then wait for its commit: for callers with a thread to spare."""
+        return self.settle(self.decide_result(call, result, call_record))
+
+    def decide_result(self, call: Call, result: types.CallToolResult,
+                      call_record: dict[str, Any] | None = None) -> Pending:
+        """What the agent will be shown, once the decision's records (queued here) are durable."""
         doc = Document.of(result_parts(result))
         if len(doc.data) > self.max_result_bytes:
             decision = Decision("quarantine", (f"result_size: {len(doc.data)} bytes of text > "
@@ -323,12 +372,22 @@ class Guard:
         withhold = [doc.sha256, *doc.part_digests()] if decision.action == "quarantine" else []
         body = self._body("mcp-result", call, doc, report, decision, screened.redaction)
         body.update(non_text={"blocks": non_text, "action": decision.non_text}, parts_sha256=doc.part_digests())
-        crossing, index = self._record(call, "result", doc.sha256, decision, body, withhold, call_record)
         if decision.action == "quarantine":
             reason = "result-size" if report is None else _reason(report)
-            shown = stub_result(f"[tool result withheld by policy: {reason}] Reasons: "
-                                f"{'; '.join(decision.reasons)} (lethe crossing {crossing})")
-        return Outcome(shown, decision, crossing, index)
+
+            def shown_for(crossing: str) -> types.CallToolResult:
+                return stub_result(f"[tool result withheld by policy: {reason}] Reasons: "
+                                   f"{'; '.join(decision.reasons)} (lethe crossing {crossing})")
+            return self._record(call, "result", doc.sha256, decision, body, withhold, shown_for, call_record)
+        return self._record(call, "result", doc.sha256, decision, body, withhold, shown, call_record)
+
+    @staticmethod
+    def settle(pending: Pending) -> Outcome:
+        """Block until the pending decision's records are durable; its Outcome, or a ScreeningError."""
+        try:
+            return pending.outcome(pending.committed.result())
+        except Exception as exc:
+            raise pending.failed(exc) from exc
 
     # -- records -----------------------------------------------------------------------------------
 
@@ -345,9 +404,11 @@ class Guard:
         return body
 
     def _record(self, call: Call, phase: str, sha256: str, decision: Decision, body: dict[str, Any],
-                withhold: list[str], call_record: dict[str, Any] | None = None) -> tuple[str, int]:
-        """Ledger and audit, committed before anything is acted on: a decision whose record
-        cannot be written is not acted on (the caller gets a ScreeningError)."""
+                withhold: list[str], shown: types.CallToolResult | Callable[[str], types.CallToolResult],
+                call_record: dict[str, Any] | None = None) -> Pending:
+        """Queue the ledger crossing and the audit records for the next group commit. The Pending it
+        returns must be settled before anything is acted on: a decision whose record cannot be
+        written is not acted on (the caller gets a ScreeningError). `shown` may need the crossing's id."""
         meta = {k: v for k, v in body.items() if k in ("gate", "decision", "redaction", "non_text", "parts_sha256")}
         if call_record:
             meta["call"] = {k: call_record[k] for k in ("content_sha256", "gate", "decision") if k in call_record}
@@ -355,15 +416,14 @@ class Guard:
                                    upstream=call.upstream, tool=call.tool, phase=phase, content_sha256=sha256,
                                    action=decision.action, meta=meta)
         records = [{**r, "crossing": crossing.id} for r in ([call_record] if call_record else []) + [body]]
-        try:
-            index = self.recorder.write(crossing, withhold, records)
-        except Exception as exc:
-            log.error("mcp.record_failed", tool=call.tool, error=type(exc).__name__)
-            raise ScreeningError(f"the decision could not be recorded ({type(exc).__name__}); "
-                                 "nothing was passed on; check the ledger and audit databases") from exc
-        log.info("mcp.decision", tenant=call.tenant, tool=call.tool, phase=phase, action=decision.action,
-                 crossing=crossing.id, audit_index=index)
-        return crossing.id, index
+        about = {"tenant": call.tenant, "tool": call.tool, "phase": phase, "action": decision.action}
+        result = shown(crossing.id) if callable(shown) else shown
+        return Pending(result, decision, crossing.id, about, self.recorder.submit(crossing, withhold, records))
+
+
+def _definition(tool: types.Tool) -> Document:
+    """What of a tool's definition reaches the agent's model (all but its name, which the proxy sets)."""
+    return Document.of(list(_json_parts(tool.model_dump(mode="json", exclude={"name"}, exclude_none=True))))
 
 
 def _moved(redaction: Redaction, offset: int) -> Iterator[Cut]:

@@ -1,4 +1,6 @@
-"""The proxy's two MCP handlers: tools/list re-exports the upstreams' tools, tools/call runs the gated path.
+"""The proxy's MCP handlers: the list methods re-export the upstreams' tools, resources and prompts;
+tools/call, resources/read and prompts/get run the one gated path (arguments, upstream, result,
+durable records, then the agent's answer).
 
 Routing is the proxy's own: an exported name `<upstream>__<tool>` is split by the proxy, and only
 names of configured upstreams are served, so the tool name the policy sees is the route the
@@ -7,8 +9,9 @@ over HTTP, the tenant named at start over stdio), never from the request's argum
 """
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -23,8 +26,8 @@ from ledger import Ledger
 
 from .. import __version__
 from ..tenants import Principal
-from .guard import Call, Guard, Outcome, ScreeningError
-from .settings import McpSettings
+from .guard import Call, Guard, Outcome, Pending, ScreeningError
+from .settings import PROMPT_GET, RESOURCE_READ, URI_SCHEME, McpSettings, exported_name, exported_uri, split_uri
 from .upstream import Upstreams, UpstreamError
 
 log = structlog.get_logger(__name__)
@@ -86,14 +89,40 @@ class Proxy:
         async def call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
             return await self.call(caller_of(ctx), params.name, dict(params.arguments or {}))
 
+        def input_schema(name: str) -> dict[str, Any] | None:
+            # The SDK checks a call's `Mcp-Param-*` headers against the tool's input schema; without
+            # this look-up it runs the whole tools/list handler (every definition) on every call.
+            tool = self._upstreams.known(name) if self._upstreams is not None else None
+            return tool.input_schema if tool is not None else None
+
+        async def list_resources(ctx: Any, params: types.PaginatedRequestParams | None) -> types.ListResourcesResult:
+            caller_of(ctx)  # authenticated, like every request
+            return types.ListResourcesResult(resources=[
+                r.model_copy(update={"uri": exported_uri(name, r.uri), "name": exported_name(name, r.name)})
+                for name, r in await self.upstreams.resources()])
+
+        async def read_resource(ctx: Any, params: types.ReadResourceRequestParams) -> types.ReadResourceResult:
+            return await self.read(caller_of(ctx), params.uri)
+
+        async def list_prompts(ctx: Any, params: types.PaginatedRequestParams | None) -> types.ListPromptsResult:
+            caller_of(ctx)
+            return types.ListPromptsResult(prompts=[p.model_copy(update={"name": exported_name(name, p.name)})
+                                                    for name, p in await self.upstreams.prompts()])
+
+        async def get_prompt(ctx: Any, params: types.GetPromptRequestParams) -> types.GetPromptResult:
+            return await self.prompt(caller_of(ctx), params.name, dict(params.arguments or {}))
+
         return Server("lethe-mcp", version=__version__, on_list_tools=list_tools, on_call_tool=call_tool,
+                      on_list_resources=list_resources, on_read_resource=read_resource,
+                      on_list_prompts=list_prompts, on_get_prompt=get_prompt,
+                      get_tool_input_schema=input_schema,
                       instructions="Lethe screens every tool result and every call's arguments; "
                                    "a withheld result names the reason.")
 
     async def _definition_allowed(self, caller: Caller, name: str, tool: types.Tool) -> bool:
         call = Call(caller.principal, None, name.split("__", 1)[0], name)
         try:
-            decision = await self._off_loop(self.guard.screen_tool, call, tool)
+            decision = self.guard.known_definition(call, tool) or await self._off_loop(self.guard.screen_tool, call, tool)
         except ScreeningError as exc:
             raise MCPError(types.INTERNAL_ERROR, f"lethe could not screen tool {name!r}: {exc}") from exc
         return bool(decision.action == "allow")
@@ -123,30 +152,127 @@ class Proxy:
         if not await self._definition_allowed(caller, name, definition):
             raise MCPError(types.INVALID_PARAMS, f"tool {name!r} is withheld by policy: its definition did not "
                                                  "pass the gate (see the audit log's definition record)")
-        session = await self._off_loop(self.linked_session, caller.principal, caller.session_id)
-        call = Call(caller.principal, session, route[0], name)
+        call = await self._call(caller, route[0], route[1])
+        outcome = await self._screened(call, arguments, lambda: self.upstreams.call(route[0], route[1], arguments),
+                                       "call")
+        return _stamped(outcome, call, started)
+
+    async def read(self, caller: Caller, uri: str) -> types.ReadResourceResult:
+        """resources/read through the same path as a tool call: the URI screened as the call's
+        arguments, the contents (text, or blobs by the policy's `non_text`) as its result, under
+        the tool name `<upstream>__resources/read`; recorded before the agent sees anything."""
+        started = time.perf_counter()
+        route = split_uri(uri)
+        if route is None or self.upstreams.route(exported_name(route[0], RESOURCE_READ)) != (route[0], RESOURCE_READ):
+            raise MCPError(types.INVALID_PARAMS, f"unknown resource {uri!r}: this proxy serves only the "
+                                                 f"`{URI_SCHEME}<upstream>/...` URIs that resources/list returns")
+        call = await self._call(caller, route[0], RESOURCE_READ)
+        got: list[types.ReadResourceResult] = []
+
+        async def fetch() -> types.CallToolResult:
+            got.append(await self.upstreams.read(*route))
+            return types.CallToolResult(content=[types.EmbeddedResource(type="resource", resource=c)
+                                                 for c in got[0].contents])
+        outcome = await self._screened(call, {"uri": route[1]}, fetch, "read")
+        return _as_contents(outcome, call, started, route[0], uri, got[0].contents if got else [])
+
+    async def prompt(self, caller: Caller, name: str, arguments: dict[str, str]) -> types.GetPromptResult:
+        """prompts/get through the same path: the arguments screened, then the filled prompt's
+        description and messages as one result, under the tool name `<upstream>__prompts/get:<name>`."""
+        started = time.perf_counter()
+        route = self.upstreams.route(name)
+        if route is None:
+            raise MCPError(types.INVALID_PARAMS, f"unknown prompt {name!r}: this proxy serves only the "
+                                                 "`<upstream>__<prompt>` names that prompts/list returns")
+        call = await self._call(caller, route[0], PROMPT_GET + route[1])
+        got: list[types.GetPromptResult] = []
+
+        async def fetch() -> types.CallToolResult:
+            got.append(await self.upstreams.prompt(route[0], route[1], arguments))
+            described = [types.TextContent(type="text", text=got[0].description)] if got[0].description else []
+            return types.CallToolResult(content=described + [m.content for m in got[0].messages])
+        outcome = await self._screened(call, arguments, fetch, "prompt")
+        return _as_prompt(outcome, call, started, got[0] if got else None)
+
+    async def _call(self, caller: Caller, upstream: str, what: str) -> Call:
+        session = None if caller.session_id is None else \
+            await self._off_loop(self.linked_session, caller.principal, caller.session_id)
+        return Call(caller.principal, session, upstream, exported_name(upstream, what))
+
+    async def _screened(self, call: Call, arguments: dict[str, Any],
+                        fetch: Callable[[], Awaitable[types.CallToolResult]], what: str) -> Outcome:
+        """Arguments screened, then `fetch` from the upstream, then its blocks screened; durable before returned."""
         try:
-            refusal, record = await self._off_loop(self.guard.check_arguments, call, arguments)
+            refusal, record = await self._off_loop(self.guard.screen_arguments, call, arguments)
             if refusal is not None:
-                return _stamped(refusal, call, started)
+                return await _durable(refusal, call)
             upstream_started = time.perf_counter()
             try:
-                result = await self.upstreams.call(route[0], route[1], arguments)
+                blocks = await fetch()
             except UpstreamError as exc:
                 await self._off_loop(self.guard.upstream_failed, call, record, str(exc))
                 raise MCPError(UPSTREAM_FAILED, str(exc)) from exc
             call.spent["upstream"] = time.perf_counter() - upstream_started
-            outcome = await self._off_loop(self.guard.screen_result, call, result, record)
+            pending = await self._off_loop(self.guard.decide_result, call, blocks, record)
+            return await _durable(pending, call)
         except ScreeningError as exc:
-            raise MCPError(types.INTERNAL_ERROR, f"lethe could not screen this call: {exc}") from exc
-        return _stamped(outcome, call, started)
+            raise MCPError(types.INTERNAL_ERROR, f"lethe could not screen this {what}: {exc}") from exc
+
+
+def _as_prompt(outcome: Outcome, call: Call, started: float,
+               original: types.GetPromptResult | None) -> types.GetPromptResult:
+    """The screened blocks back as the prompt's description and messages. A refusal or a
+    quarantine is one user message naming the reason (the prompt's text is not sent)."""
+    shown = outcome.result.content
+    described = bool(original and original.description)
+    if original is None or outcome.result.is_error or len(shown) != described + len(original.messages):
+        messages = [types.PromptMessage(role="user", content=b) for b in shown]
+        return types.GetPromptResult(messages=messages, meta=_meta(outcome, call, started))
+    description = shown[0].text if described else None
+    messages = [m.model_copy(update={"content": b}) for m, b in zip(original.messages, shown[described:])]
+    return types.GetPromptResult(description=description, messages=messages, meta=_meta(outcome, call, started))
+
+
+def _as_contents(outcome: Outcome, call: Call, started: float, upstream: str, uri: str,
+                 original: list[Any]) -> types.ReadResourceResult:
+    """The screened blocks back as resource contents, each under its exported URI. A stub (a
+    refusal, a quarantine, a withheld blob) is a text content naming the reason: never silence."""
+    shown = outcome.result
+    if shown.is_error or len(shown.content) != len(original):
+        contents: list[Any] = [types.TextResourceContents(uri=uri, mime_type="text/plain", text=b.text)
+                               for b in shown.content]
+    else:
+        contents = [b.resource.model_copy(update={"uri": exported_uri(upstream, b.resource.uri)})
+                    if isinstance(b, types.EmbeddedResource) else
+                    types.TextResourceContents(uri=exported_uri(upstream, o.uri), mime_type="text/plain", text=b.text)
+                    for b, o in zip(shown.content, original)]
+    return types.ReadResourceResult(contents=contents, meta=_meta(outcome, call, started))
+
+
+async def _durable(pending: Pending, call: Call) -> Outcome:
+    """Wait, on the event loop rather than a guard thread, until the decision's records are
+    committed: the guard's few threads stay free, so every call waiting at a commit joins the next
+    one. The agent gets the outcome only after that; a failed commit is a ScreeningError."""
+    started = time.perf_counter()
+    try:
+        index = await asyncio.wrap_future(pending.committed)
+    except Exception as exc:
+        raise pending.failed(exc) from exc
+    finally:
+        call.spent["commit"] = time.perf_counter() - started
+    return pending.outcome(index)
 
 
 def _stamped(outcome: Outcome, call: Call, started: float) -> types.CallToolResult:
     """The result with the decision in `_meta` (the crossing id an auditor looks up, and the proxy's
-    own time: the handler's wall time less the upstream's and the gate's)."""
+    own time: the handler's wall time less the upstream's and the gate's; of it, the wait for the
+    durable commit of the decision's records)."""
+    return outcome.result.model_copy(update={"meta": {**(outcome.result.meta or {}), **_meta(outcome, call, started)}})
+
+
+def _meta(outcome: Outcome, call: Call, started: float) -> dict[str, Any]:
     own = time.perf_counter() - started - call.spent.get("upstream", 0.0) - call.spent.get("gate", 0.0)
-    meta = {**(outcome.result.meta or {}), META_KEY: {
+    return {META_KEY: {
         "action": outcome.decision.action, "crossing": outcome.crossing_id, "audit_index": outcome.audit_index,
-        "overhead_ms": round(own * 1e3, 3), "gate_ms": round(call.spent.get("gate", 0.0) * 1e3, 3)}}
-    return outcome.result.model_copy(update={"meta": meta})
+        "overhead_ms": round(own * 1e3, 3), "gate_ms": round(call.spent.get("gate", 0.0) * 1e3, 3),
+        "commit_ms": round(call.spent.get("commit", 0.0) * 1e3, 3)}}

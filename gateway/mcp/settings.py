@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import shlex
 from typing import Any
+from urllib.parse import quote, unquote
 
 from pydantic import BaseModel, Field, model_validator
 
 from ..config import Settings
 
 SEPARATOR = "__"
+URI_SCHEME = "lethe-mcp://"
+RESOURCE_READ = "resources/read"  # the `tool` a resource read is screened under: `<upstream>__resources/read`
+PROMPT_GET = "prompts/get:"  # and a prompt: `<upstream>__prompts/get:<prompt>` (never a tool's name)
 
 
 class UpstreamSpec(BaseModel):
@@ -79,3 +83,16 @@ def exported_name(upstream: str, tool: str) -> str:
 def split_name(exported: str) -> tuple[str, str] | None:
     upstream, sep, tool = exported.partition(SEPARATOR)
     return (upstream, tool) if sep and upstream and tool else None
+
+
+def exported_uri(upstream: str, uri: str) -> str:
+    """An upstream's resource URI as the proxy serves it: `lethe-mcp://<upstream>/<uri, percent-encoded>`,
+    so two upstreams' URIs cannot collide and a read is routed by the proxy, not by the URI's own scheme."""
+    return f"{URI_SCHEME}{upstream}/{quote(uri, safe='')}"
+
+
+def split_uri(exported: str) -> tuple[str, str] | None:
+    if not exported.startswith(URI_SCHEME):
+        return None
+    upstream, sep, quoted = exported[len(URI_SCHEME):].partition("/")
+    return (upstream, unquote(quoted)) if sep and upstream and quoted else None

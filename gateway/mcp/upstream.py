@@ -136,6 +136,13 @@ class Upstreams:
             return None
         return parts
 
+    def known(self, exported: str) -> types.Tool | None:
+        """The definition behind `exported` as last listed, without connecting or listing: None if
+        the proxy has none at hand (for the SDK's per-call header check, which skips on None)."""
+        route = self.route(exported)
+        link = self._links.get(route[0]) if route else None
+        return link.tools.get(route[1]) if link and route else None
+
     async def definition(self, upstream: str, tool: str) -> types.Tool:
         """The tool as the upstream lists it (listing again once if it is not there yet)."""
         link = await self.link(upstream)
@@ -148,21 +155,62 @@ class Upstreams:
     async def call(self, upstream: str, tool: str, arguments: Mapping[str, Any]) -> types.CallToolResult:
         """The upstream's result, or UpstreamError; never waits longer than the call timeout."""
         await self.definition(upstream, tool)
+        return await self._request(upstream, repr(tool), types.CallToolResult,
+                                   lambda client: client.call_tool(tool, dict(arguments)))
+
+    async def resources(self) -> list[tuple[str, types.Resource]]:
+        """(upstream, resource) for every reachable upstream's listed resources, in configuration order."""
+        out: list[tuple[str, types.Resource]] = []
+        for name in self._specs:
+            try:
+                listed = await self._request(name, "resources/list", types.ListResourcesResult,
+                                             lambda client: client.list_resources())
+            except UpstreamError as exc:
+                log.warning("mcp.upstream_unavailable", upstream=name, error=str(exc))
+                continue
+            out += [(name, r) for r in listed.resources]
+        return out
+
+    async def prompts(self) -> list[tuple[str, types.Prompt]]:
+        """(upstream, prompt) for every reachable upstream's listed prompts, in configuration order."""
+        out: list[tuple[str, types.Prompt]] = []
+        for name in self._specs:
+            try:
+                listed = await self._request(name, "prompts/list", types.ListPromptsResult,
+                                             lambda client: client.list_prompts())
+            except UpstreamError as exc:
+                log.warning("mcp.upstream_unavailable", upstream=name, error=str(exc))
+                continue
+            out += [(name, p) for p in listed.prompts]
+        return out
+
+    async def prompt(self, upstream: str, name: str, arguments: dict[str, str]) -> types.GetPromptResult:
+        """The upstream's prompt `name` filled with `arguments`, or UpstreamError (within the call timeout)."""
+        return await self._request(upstream, f"prompt {name!r}", types.GetPromptResult,
+                                   lambda client: client.get_prompt(name, arguments))
+
+    async def read(self, upstream: str, uri: str) -> types.ReadResourceResult:
+        """The upstream's contents of `uri`, or UpstreamError; never waits longer than the call timeout."""
+        return await self._request(upstream, f"resource {uri!r}", types.ReadResourceResult,
+                                   lambda client: client.read_resource(uri))
+
+    async def _request(self, upstream: str, what: str, expected: type[Any], send: Any) -> Any:
+        """`send(client)` on the upstream's link within the call timeout; an `expected` reply or UpstreamError."""
         link = await self.link(upstream)
         limit = self._settings.call_timeout_s
         try:
             with anyio.fail_after(limit):
-                result = await link.client.call_tool(tool, dict(arguments))
+                result = await send(link.client)
         except TimeoutError as exc:
             link.broken = True  # a hung upstream may answer late into the next call: reconnect
-            raise UpstreamError(f"upstream {upstream!r} did not answer {tool!r} within {limit:g}s "
+            raise UpstreamError(f"upstream {upstream!r} did not answer {what} within {limit:g}s "
                                 "(LETHE_MCP_CALL_TIMEOUT_S)") from exc
         except Exception as exc:
             link.broken = True
-            raise UpstreamError(f"upstream {upstream!r} failed on {tool!r}: {type(exc).__name__}: {exc}") from exc
-        if not isinstance(result, types.CallToolResult):
-            raise UpstreamError(f"upstream {upstream!r} answered {tool!r} with {type(result).__name__}, "
-                                "not a tool result")
+            raise UpstreamError(f"upstream {upstream!r} failed on {what}: {type(exc).__name__}: {exc}") from exc
+        if not isinstance(result, expected):
+            raise UpstreamError(f"upstream {upstream!r} answered {what} with {type(result).__name__}, "
+                                f"not a {expected.__name__}")
         return result
 
     async def _refresh(self, name: str, link: Link) -> Link:

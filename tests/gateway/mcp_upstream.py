@@ -2,7 +2,9 @@
 
 Its tools are the situations the proxy must handle: a web page carrying a hidden injection, a
 credentials file, a clean result, an image, structured output, a crash, a hang, a huge result,
-and results that lie (an injection in an embedded resource, a tool named like another one).
+and results that lie (an injection in an embedded resource, a tool named like another one). Its
+resources are a clean note, the credentials file, the page with the injection and an image; its
+prompts a clean one and one that carries the page.
 """
 from __future__ import annotations
 
@@ -87,6 +89,38 @@ def hang() -> str:
     """Never answers."""
     time.sleep(3600)
     return "late"
+
+
+# Resources: the same situations, read with resources/read instead of a tool call.
+
+@server.resource("file:///srv/notes.txt", mime_type="text/plain")
+def notes() -> str:
+    return CLEAN
+
+
+@server.resource("file:///home/bob/.aws/credentials", mime_type="text/plain")
+def credentials() -> str:
+    return CREDENTIALS
+
+
+@server.resource("https://travel.example/paris", mime_type="text/html")
+def travel_page() -> str:
+    return PAGE
+
+
+@server.resource("file:///srv/logo.png", mime_type="image/png")
+def logo() -> bytes:
+    return base64.b64decode(PNG)
+
+
+@server.prompt(description="Plan a trip.")
+def plan_trip(city: str) -> str:
+    return f"Plan three days in {city}: museums, food, a day trip."
+
+
+@server.prompt(description="Summarize a page.")
+def summarize_page() -> str:
+    return f"Summarize this page for the user:\n{PAGE}"
 
 
 if __name__ == "__main__":

@@ -405,3 +405,100 @@ def _public_key_pem(private_key_path: Path) -> bytes:
 
     key = serialization.load_pem_private_key(private_key_path.read_bytes(), password=None)
     return key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+# ---- resources ------------------------------------------------------------------------------------
+
+async def _read_resources(dep: Deployment) -> dict[str, Any]:
+    async with Client(dep.stdio("acme"), read_timeout_seconds=120) as client:
+        listed = {r.name: r.uri for r in (await client.list_resources()).resources}
+        got: dict[str, Any] = {"listed": listed}
+        for name, uri in listed.items():
+            got[name] = await client.read_resource(uri)
+        for label, uri in (("unrouted", "file:///srv/notes.txt"), ("unknown_upstream", "lethe-mcp://evil/x")):
+            try:
+                await client.read_resource(uri)
+            except Exception as exc:
+                got[label] = str(exc)
+        got["prompts"] = [p.name for p in (await client.list_prompts()).prompts]
+        got["plan_trip"] = await client.get_prompt("fx__plan_trip", {"city": "Lyon"})
+        got["plan_trip_secret"] = await client.get_prompt("fx__plan_trip", {"city": f"Lyon {AWS_KEY}"})
+        got["summarize_page"] = await client.get_prompt("fx__summarize_page")
+    return got
+
+
+@pytest.fixture(scope="module")
+def resource_run(deployment: Deployment) -> dict[str, Any]:
+    return anyio.run(_read_resources, deployment)
+
+
+def _read(run: dict[str, Any], name: str) -> tuple[types.ReadResourceResult, dict[str, Any]]:
+    result = run[name]
+    return result, result.meta["io.lethe/decision"]
+
+
+def test_resources_are_listed_under_the_proxys_own_uris(resource_run: dict[str, Any]) -> None:
+    assert resource_run["listed"] == {
+        "fx__notes": "lethe-mcp://fx/file%3A%2F%2F%2Fsrv%2Fnotes.txt",
+        "fx__credentials": "lethe-mcp://fx/file%3A%2F%2F%2Fhome%2Fbob%2F.aws%2Fcredentials",
+        "fx__travel_page": "lethe-mcp://fx/https%3A%2F%2Ftravel.example%2Fparis",
+        "fx__logo": "lethe-mcp://fx/file%3A%2F%2F%2Fsrv%2Flogo.png"}
+    assert "unknown resource 'file:///srv/notes.txt'" in resource_run["unrouted"]
+    assert "unknown resource 'lethe-mcp://evil/x'" in resource_run["unknown_upstream"]
+
+
+def test_a_clean_resource_is_read_unchanged_byte_for_byte(resource_run: dict[str, Any]) -> None:
+    result, stamp = _read(resource_run, "fx__notes")
+    [content] = result.contents
+    assert stamp["action"] == "allow" and content.text == CLEAN and content.uri == resource_run["listed"]["fx__notes"]
+
+
+def test_a_secret_in_a_resource_is_redacted(resource_run: dict[str, Any]) -> None:
+    result, stamp = _read(resource_run, "fx__credentials")
+    assert stamp["action"] == "redact" and [c.text for c in result.contents] == [REDACTED]
+
+
+def test_an_injected_resource_is_withheld_with_its_reason(resource_run: dict[str, Any]) -> None:
+    result, stamp = _read(resource_run, "fx__travel_page")
+    [content] = result.contents
+    assert stamp["action"] == "quarantine" and "Ignore all previous" not in content.text
+    assert content.text.startswith("[tool result withheld by policy: prompt-injection]")
+
+
+def test_a_blob_resource_is_withheld_by_policy_with_a_stub(resource_run: dict[str, Any]) -> None:
+    result, stamp = _read(resource_run, "fx__logo")
+    [content] = result.contents
+    assert content.text == "[resource (image/png) withheld by policy: the gate cannot read it]"
+    assert not hasattr(content, "blob") and content.uri == resource_run["listed"]["fx__logo"]
+
+
+def test_resource_reads_are_recorded_like_tool_calls(deployment: Deployment, resource_run: dict[str, Any]) -> None:
+    crossings = {c.id: c for c in deployment.ledger().crossings.list("acme") if c.tool == "fx__resources/read"}
+    stamps = [_read(resource_run, n)[1] for n in resource_run["listed"]]
+    assert {s["crossing"] for s in stamps} <= set(crossings)
+    audit = deployment.audit()
+    for s in stamps:
+        record = audit.get(s["audit_index"])
+        assert (record.body["kind"], record.body["tool"], record.body["crossing"]) == \
+            ("mcp-result", "fx__resources/read", s["crossing"])
+        assert AWS_KEY not in json.dumps(record.body) and "Ignore all previous" not in json.dumps(record.body)
+
+
+def test_a_clean_prompt_is_passed_unchanged(resource_run: dict[str, Any]) -> None:
+    assert resource_run["prompts"] == ["fx__plan_trip", "fx__summarize_page"]
+    result, stamp = _read(resource_run, "plan_trip")
+    assert stamp["action"] == "allow" and result.description == "Plan a trip."
+    assert [(m.role, m.content.text) for m in result.messages] == \
+        [("user", "Plan three days in Lyon: museums, food, a day trip.")]
+
+
+def test_a_prompt_carrying_an_injection_is_withheld_and_a_secret_argument_refused(
+        resource_run: dict[str, Any]) -> None:
+    result, stamp = _read(resource_run, "summarize_page")
+    [message] = result.messages
+    assert stamp["action"] == "quarantine" and "Ignore all previous" not in message.content.text
+    assert message.content.text.startswith("[tool result withheld by policy: prompt-injection]")
+    result, stamp = _read(resource_run, "plan_trip_secret")
+    [message] = result.messages
+    assert stamp["action"] != "allow" and AWS_KEY not in message.content.text
+    assert message.content.text.startswith("[tool call refused by policy: secret] fx__prompts/get:plan_trip was not called")

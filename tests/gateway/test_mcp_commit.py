@@ -1,0 +1,124 @@
+"""Group commit of the proxy's records: durable before the agent sees anything, one transaction per batch.
+
+Concurrent agents (the SDK's real client, one session each) call tools through one in-process
+proxy whose upstream is the fixture server as a real process; the ledger and the audit log share
+one SQLite file, as they do by default. A real SQLite write lock, held by another connection,
+makes the calls wait at their commit, so they queue for the same batch.
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import anyio
+from mcp import Client
+
+from audit import AuditLog, Signer, verify_export
+from gate import Gate
+from gateway.mcp import Caller, Guard, McpSettings, Proxy, UpstreamSpec
+from gateway.tenants import Principal
+from ledger import Ledger
+from policies import PolicyEngine
+
+FIXTURE = Path(__file__).with_name("mcp_upstream.py")
+ACME = Caller(Principal("acme", "agent"), None)
+CALLS = 12
+FAIL_AUDIT = ("CREATE TRIGGER injected_failure BEFORE INSERT ON audit_records "
+              "BEGIN SELECT RAISE(ABORT, 'injected: disk quota exceeded'); END")
+
+
+def _stores(tmp: Path) -> tuple[Proxy, Ledger, AuditLog, Path]:
+    db = tmp / "lethe.db"
+    ledger = Ledger(f"sqlite:///{db}", check_invariants=False)
+    audit = AuditLog(f"sqlite:///{db}", Signer.load_or_create(tmp / "key.pem"), batch_size=8)
+    settings = McpSettings(upstreams=[UpstreamSpec(name="fx", command=[sys.executable, str(FIXTURE)])],
+                           call_timeout_s=20)
+    guard = Guard(Gate(), PolicyEngine(), ledger, audit, settings.max_result_bytes)
+    assert guard.recorder.shared  # one database: the crossing and its records are one transaction
+    return Proxy(settings, guard, ledger), ledger, audit, db
+
+
+def _concurrently(proxy: Proxy, calls: list[tuple[str, dict[str, Any]]], db: Path,
+                  while_locked: str | None = None) -> list[tuple[Any, str | None]]:
+    """Each call from its own client session, all at once. With `while_locked`, another connection
+    holds the database's write lock while the calls are made, runs that statement, then commits."""
+    out: list[tuple[Any, str | None]] = [(None, None)] * len(calls)
+
+    async def one(i: int, name: str, args: dict[str, Any]) -> None:
+        async with Client(proxy.server(lambda _ctx: ACME)) as client:
+            try:
+                out[i] = (await client.call_tool(name, args), None)
+            except Exception as exc:
+                out[i] = (None, str(exc))
+
+    async def go() -> None:
+        async with proxy.running():
+            async with Client(proxy.server(lambda _ctx: ACME)) as warm:
+                await warm.call_tool("fx__weather", {"city": "Oslo"})  # the upstream link and definitions
+            lock = None
+            if while_locked is not None:
+                lock = sqlite3.connect(db, isolation_level=None)
+                lock.execute("BEGIN IMMEDIATE")
+            async with anyio.create_task_group() as tg:
+                for i, (name, args) in enumerate(calls):
+                    tg.start_soon(one, i, name, args)
+                if lock is not None:
+                    await anyio.sleep(1)  # not a timing assertion: calls that queue later fail the same way
+                    lock.execute(while_locked)
+                    lock.execute("COMMIT")
+                    lock.close()
+
+    anyio.run(go)
+    return out
+
+
+def _verifies(audit: AuditLog, tmp: Path) -> None:
+    export = tmp / "audit.json"
+    audit.export(export)
+    report = verify_export(export, public_key_pem=audit.signer.verifier.public_key_pem)
+    assert report.ok, report.errors
+
+
+def test_concurrent_calls_each_commit_exactly_one_crossing_and_their_records(tmp_path: Path) -> None:
+    proxy, ledger, audit, db = _stores(tmp_path)
+    calls = [("fx__weather", {"city": f"city-{i}"}) if i % 3 else ("fx__read_file", {"path": f"{i}/credentials"})
+             for i in range(CALLS)]
+    results = _concurrently(proxy, calls, db, while_locked="SELECT 1")  # all wait on one lock: shared commits
+    stamps = [r.meta["io.lethe/decision"] for r, error in results if error is None]
+    assert len(stamps) == CALLS, [e for _, e in results if e]
+    crossings = {c.id: c for c in ledger.crossings.list("acme")}
+    assert len({s["crossing"] for s in stamps}) == CALLS and all(s["crossing"] in crossings for s in stamps)
+    assert len(crossings) == CALLS + 1  # and the warm-up call's
+    records = audit.list(tenant="acme", limit=1000)
+    per_crossing = Counter((r.body["crossing"], r.body["kind"]) for r in records)
+    assert set(per_crossing.values()) == {1} and len(per_crossing) == 2 * (CALLS + 1)
+    assert {c for c, _ in per_crossing} == set(crossings)
+    for s in stamps:  # the index the agent was told is its own result record, durable in the log
+        record = audit.get(s["audit_index"])
+        assert (record.body["kind"], record.body["crossing"]) == ("mcp-result", s["crossing"])
+        assert record.body["decision"]["action"] == s["action"] == crossings[s["crossing"]].action
+    assert Counter(s["action"] for s in stamps) == {"allow": 8, "redact": 4}
+    assert len({r.time for r in records}) < CALLS + 1  # calls queued at one lock shared a transaction
+    _verifies(audit, tmp_path)
+
+
+def test_a_failed_commit_fails_every_waiting_call_and_records_nothing_of_it(tmp_path: Path) -> None:
+    proxy, ledger, audit, db = _stores(tmp_path)
+    results = _concurrently(proxy, [("fx__read_file", {"path": f"{i}/credentials"}) for i in range(CALLS)], db,
+                            while_locked=FAIL_AUDIT)
+    for result, error in results:
+        assert result is None and error is not None
+        assert "lethe could not screen this call: the decision could not be recorded (IntegrityError)" in error
+        assert "AKIA" not in error and "REDACTED" not in error  # neither the result nor its redaction
+    # all or nothing: only the warm-up call's crossing and records; the failed calls' crossings,
+    # written in the same transaction as their audit records, were rolled back with them
+    assert [c.tool for c in ledger.crossings.list("acme")] == ["fx__weather"] and audit.size == 2
+    with sqlite3.connect(db) as conn:
+        conn.execute("DROP TRIGGER injected_failure")
+    [(result, error)] = _concurrently(proxy, [("fx__weather", {"city": "Paris"})], db)
+    assert error is None and json.loads(json.dumps(result.meta))["io.lethe/decision"]["action"] == "allow"
+    _verifies(audit, tmp_path)
