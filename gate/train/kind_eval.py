@@ -161,16 +161,28 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--data", type=Path, required=True, help="JSONL from gate.train.kinds")
     ap.add_argument("--probe", action="store_true", help="also score with the hidden-state probe (runs the model)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--partial", action="store_true",
+                    help="with --probe: score only the rows an unfinished extraction has saved (a random sample); "
+                         "the byte gate is also reported on every row")
     args = ap.parse_args(argv)
     rows = load_rows(args.data)
     started = time.time()
     byte = scan_rows(rows, Gate())[0]["injection"]
     probe_p = stack = None
-    if args.probe:
+    if args.probe and args.partial:
+        from gate.train.eval_full import partial_stack_scores
+
+        idx, probe_p, stack = partial_stack_scores(rows, byte, name=args.data.stem)
+        everything = evaluate(rows, byte, None, None, policy_thresholds()["injection"])
+        rows, byte = [rows[i] for i in idx], byte[idx]
+    elif args.probe:
         from gate.train.eval_full import stack_scores
 
         probe_p, stack, _ = stack_scores(rows, byte, name=args.data.stem, threads=args.threads)
     result = evaluate(rows, byte, probe_p, stack, policy_thresholds()["injection"])
+    if args.partial:
+        result["partial"] = {"rows_scored": len(rows), "of": everything["documents"],
+                             "byte_gate_on_every_row": everything["byte_gate"]}
     result.update(data=str(args.data), seconds=round(time.time() - started, 1))
     json.dump(result, sys.stdout, indent=2)
     print()
