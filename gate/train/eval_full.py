@@ -81,7 +81,7 @@ def extraction_order(n: int) -> list[int]:
 def partial_table(path: Path, n: int) -> dict[int, np.ndarray]:
     """Index -> window features of the texts whose chunks are saved under ``path``'s parts."""
     order, out = extraction_order(n), {}
-    for part in sorted(path.with_suffix(".parts").glob("*.npz")):
+    for part in sorted(path.with_suffix(".parts").glob("[0-9]*.npz")):
         k = int(part.stem) * CHUNK
         with np.load(part) as z:
             for i, f in zip(order[k : k + CHUNK], np.split(z["feats"], z["offsets"][1:-1])):

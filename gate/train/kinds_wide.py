@@ -338,8 +338,12 @@ def _hosts(r: R, n: int) -> dict[str, list[str]]:
 
 
 def _inject_json(r: R, host: str, attack: str) -> str:
-    """Put the attack in a string field of a JSON host (where tool JSON carries untrusted text)."""
-    doc = json.loads(host)
+    """Put the attack in a string field of a JSON host (where tool JSON carries untrusted text);
+    a host that is not whole JSON (a chunk of a file) gets it inserted as text."""
+    try:
+        doc = json.loads(host)
+    except ValueError:
+        return synth.insert(r, host, attack)[0]
     strings = []
 
     def walk(node, path):
