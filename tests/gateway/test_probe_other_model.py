@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -38,8 +39,6 @@ def save_tiny_llama(path: Path, seed: int = 0) -> Path:
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    import random
-
     r = random.Random(seed)
     texts = [synth.benign(r, k) for k in sorted(synth.BENIGN_KINDS) for _ in range(5)]
     bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
