@@ -13,7 +13,8 @@ logs, READMEs, tables), concatenated to ``megabytes`` MB. Measured on one thread
   * the byte gate on the held-out-by-kind injection set (``gate.train.kind_eval``).
 
 ``python -m gate.bench bound``: the time bound (``run_bound_bench``), crafted worst cases from
-32 KB to the 256 KB tool-result limit.
+32 KB to the 256 KB tool-result limit. ``python -m gate.bench peers --bin <venv>/bin``: secrets
+side by side with CredSweeper and detect-secrets (``gate.peers``).
 """
 
 from __future__ import annotations
@@ -184,7 +185,28 @@ def run_bound_bench(*, sizes: tuple[int, ...] = (32 << 10, 64 << 10, 128 << 10, 
     }
 
 
+def main(argv: list[str] | None = None) -> dict:
+    """``gate`` (default): throughput, latency and detection; ``bound``: the time bound;
+    ``peers``: secrets side by side with CredSweeper and detect-secrets (:mod:`gate.peers`)."""
+    import argparse
+    from pathlib import Path
+
+    ap = argparse.ArgumentParser(prog="python -m gate.bench", description=main.__doc__)
+    ap.add_argument("what", nargs="?", choices=("gate", "bound", "peers"), default="gate")
+    ap.add_argument("--json", action="store_true", help="accepted for symmetry with `lethe bench`; output is always JSON")
+    ap.add_argument("--bin", type=Path, default=None, help="peers: the bin directory of the environment holding them")
+    ap.add_argument("--megabytes", type=float, default=10.0, help="benign text to scan (gate, peers)")
+    args = ap.parse_args(argv)
+    if args.what == "bound":
+        return run_bound_bench()
+    if args.what == "peers":
+        from .peers import run_peers_bench
+
+        return run_peers_bench(args.bin, megabytes=args.megabytes)
+    return run_gate_bench(megabytes=int(args.megabytes))
+
+
 if __name__ == "__main__":
     import json
 
-    print(json.dumps(run_bound_bench() if sys.argv[1:] == ["bound"] else run_gate_bench(), indent=2))
+    print(json.dumps(main(), indent=2))

@@ -73,10 +73,19 @@ def fit_logistic(x: np.ndarray, y: np.ndarray, l2: float = 1e-2, iters: int = 50
     return w
 
 
+def kind_folds(rows: list[dict]) -> tuple[set[str], ...]:
+    """The two folds of host kinds: ``KIND_FOLDS`` for the set they were made for, otherwise the
+    sorted kinds dealt alternately (every kind in exactly one fold)."""
+    kinds = sorted({r["kind"] for r in rows})
+    if set(kinds) == set().union(*KIND_FOLDS):
+        return KIND_FOLDS
+    return set(kinds[0::2]), set(kinds[1::2])
+
+
 def cross_fit(rows: list[dict], features: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Each row scored by a logistic combiner fitted only on the other fold's kinds."""
     out = np.zeros(len(rows))
-    for fold in KIND_FOLDS:
+    for fold in kind_folds(rows):
         test = np.array([r["kind"] in fold for r in rows])
         w = fit_logistic(features[~test], y[~test])
         out[test] = 1 / (1 + np.exp(-(features[test] @ w[:-1] + w[-1])))
@@ -87,7 +96,7 @@ def transferred_threshold(rows: list[dict], score: np.ndarray, y: np.ndarray, fp
     """A threshold chosen on one fold's kinds (the ``fpr`` quantile of its negatives), applied to
     the other fold's kinds: what an operator gets on kinds the threshold never saw."""
     hits = {"recall": [], "fpr": [], "thresholds": []}
-    for fold in KIND_FOLDS:
+    for fold in kind_folds(rows):
         test = np.array([r["kind"] in fold for r in rows])
         neg = np.sort(score[~test & (y == 0)])[::-1]
         t = float(neg[int(fpr * len(neg))])
@@ -137,7 +146,7 @@ def evaluate(rows: list[dict], byte: np.ndarray, probe_p: np.ndarray | None, sta
     y = np.array([r["label"] == "injection" for r in rows], dtype=float)
     result = {"documents": len(rows), "injections": int(y.sum()), "negatives": int((1 - y).sum()),
               "host_kinds": sorted({r["kind"] for r in rows}), "attack_kinds": sorted({r["attack"] for r in rows if "attack" in r}),
-              "kind_folds": [sorted(f) for f in KIND_FOLDS], "byte_gate": summary(rows, byte, y, threshold),
+              "kind_folds": [sorted(f) for f in kind_folds(rows)], "byte_gate": summary(rows, byte, y, threshold),
               "byte_gate_cross_fitted": summary(rows, cross_fit(rows, _logit(byte)[:, None], y), y, threshold)}
     if probe_p is not None and stack is not None:
         result["probe"] = summary(rows, probe_p, y, threshold)
@@ -152,16 +161,28 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--data", type=Path, required=True, help="JSONL from gate.train.kinds")
     ap.add_argument("--probe", action="store_true", help="also score with the hidden-state probe (runs the model)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--partial", action="store_true",
+                    help="with --probe: score only the rows an unfinished extraction has saved (a random sample); "
+                         "the byte gate is also reported on every row")
     args = ap.parse_args(argv)
     rows = load_rows(args.data)
     started = time.time()
     byte = scan_rows(rows, Gate())[0]["injection"]
     probe_p = stack = None
-    if args.probe:
+    if args.probe and args.partial:
+        from gate.train.eval_full import partial_stack_scores
+
+        idx, probe_p, stack = partial_stack_scores(rows, byte, name=args.data.stem)
+        everything = evaluate(rows, byte, None, None, policy_thresholds()["injection"])
+        rows, byte = [rows[i] for i in idx], byte[idx]
+    elif args.probe:
         from gate.train.eval_full import stack_scores
 
         probe_p, stack, _ = stack_scores(rows, byte, name=args.data.stem, threads=args.threads)
     result = evaluate(rows, byte, probe_p, stack, policy_thresholds()["injection"])
+    if args.partial:
+        result["partial"] = {"rows_scored": len(rows), "of": everything["documents"],
+                             "byte_gate_on_every_row": everything["byte_gate"]}
     result.update(data=str(args.data), seconds=round(time.time() - started, 1))
     json.dump(result, sys.stdout, indent=2)
     print()

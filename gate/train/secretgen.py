@@ -63,8 +63,18 @@ def _jwt(rng: random.Random) -> str:
     return f"{head}.{body}.{_fill(rng, '{W:43}')}"
 
 
+# The DER prefix real keys of each label start with (SEQUENCE, version, algorithm): scanners that
+# check a PEM body's structure (CredSweeper does) must see a key, not random bytes.
+DER_PREFIX = {
+    "RSA PRIVATE KEY": bytes.fromhex("308204a40201000282010100"), "PRIVATE KEY": bytes.fromhex("308204be020100300d06092a864886f70d0101010500"),
+    "EC PRIVATE KEY": bytes.fromhex("307702010104"), "DSA PRIVATE KEY": bytes.fromhex("308201bb02010002818100"),
+    "ENCRYPTED PRIVATE KEY": bytes.fromhex("3082050c304006092a864886f70d01050d"),
+}
+
+
 def _pem(rng: random.Random, label: str, n_bytes: int) -> str:
-    raw = base64.b64encode(rng.randbytes(n_bytes)).decode()
+    head = DER_PREFIX.get(label, b"")
+    raw = base64.b64encode(head + rng.randbytes(n_bytes - len(head))).decode()
     return f"-----BEGIN {label}-----\n" + "\n".join(raw[i : i + 64] for i in range(0, len(raw), 64)) + f"\n-----END {label}-----"
 
 

@@ -3,7 +3,9 @@
     nice -n 10 python -m gate.train.train_probe          # writes gate/weights/probe.{npz,json}
     python -m gate.train.train_probe --full --threads 2  # the same, on whole documents
     # a probe for another LETHE_MODEL (its converted dir from `lethe prepare`), with the by-kind report:
-    python -m gate.train.train_probe --model-dir var/models/<model> --out var/probe-<model>.npz --kinds var/kinds.jsonl
+    python -m gate.train.train_probe --model-dir var/models/<model> --out var/probe-<model>.npz --kinds gate/data/kinds.jsonl
+    # quick and offline (no BIPIA, no package files): the synthetic corpus only, 40 documents per split
+    python -m gate.train.train_probe --model-dir <dir> --out <path> --corpus synth --docs 40 --kinds gate/data/kinds.jsonl
 
 Data: the same corpus and train/dev/test separation as ``train_injection`` (``build_corpus``,
 same seed), subsampled to fit a CPU budget. Each document is cut to the plan's ``max_tokens``
@@ -14,6 +16,12 @@ short chat (system, user task, assistant tool call, tool) and prefilled through 
 tool message's token states of the candidate layers are cached in ``var/probe_features/``.
 Layers, window and regularisation are chosen on dev; Platt calibration is fitted on dev; test is
 scored once, at the end, together with the n-gram layer and the full gate on the same texts.
+
+Another model: the candidate layers follow its depth (``candidate_layers``: SmolLM2's fixed list
+for models at least as deep, else seven evenly spread depths), so any converted Llama-family
+checkpoint trains; the probe records the model's identity and the gateway refuses it for others.
+``--corpus synth`` replaces ``build_corpus`` (BIPIA + installed packages) by the synthetic
+generators alone, split the same way (test-only families and kinds only in test).
 """
 
 from __future__ import annotations
@@ -23,12 +31,14 @@ import copy
 import hashlib
 import json
 import random
+import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import structlog
+from tqdm import tqdm
 
 from gate.core import Gate
 from gate.learned import NgramScorer
@@ -83,6 +93,50 @@ class Sample:
     source: str
     prefix: int
     inj: tuple[int, int] | None  # injection token span inside ``text``'s tokens
+
+
+def candidate_layers(model_dir: Path) -> tuple[int, ...]:
+    """Layers to extract for this checkpoint: SmolLM2's list when the model is deep enough (the
+    committed probe and its feature cache use it), else up to seven depths spread from 10% to 70%,
+    never the last layer (whose state Hugging Face returns after the final norm, unlike the kernel)."""
+    n = int(json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"])
+    if n >= max(CANDIDATE_LAYERS) + 2:
+        return CANDIDATE_LAYERS
+    return tuple(sorted({max(0, min(n - 2, round(f * n))) for f in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7)}))
+
+
+def plan_for(plan: Plan, layers: tuple[int, ...], docs: int | None) -> Plan:
+    """``plan`` on another model's layers (singles, then adjacent pairs) and optionally ``docs``
+    documents per split (half injected). The FULL plan keeps CUT's choice where it can."""
+    if layers != CANDIDATE_LAYERS:
+        grid = tuple((layer,) for layer in layers) + tuple(zip(layers, layers[1:]))
+        plan = replace(plan, layers=layers, grid_layers=grid if plan.name == "cut" else (layers[-2:],))
+    if docs:
+        plan = replace(plan, sample={k: (docs // 2, docs - docs // 2) for k in plan.sample})
+    return plan
+
+
+def synth_corpus(n_per_split: int, seed: int = SEED) -> dict[str, list[Doc]]:
+    """The synthetic generators alone, split as ``build_corpus`` splits them: the test-only
+    injection families and benign kinds appear in test only. Offline and fast (for other models'
+    probes and tests)."""
+    from gate.train import synth
+    from gate.train.train_injection import TEST_ONLY_BENIGN, TEST_ONLY_FAMILIES
+
+    r = random.Random(seed)
+    out: dict[str, list[Doc]] = {}
+    for split in ("train", "dev", "test"):
+        fams = [f for f in synth.FAMILIES if split == "test" or f not in TEST_ONLY_FAMILIES]
+        kinds = [k for k in synth.BENIGN_KINDS if split == "test" or k not in TEST_ONLY_BENIGN]
+        docs = []
+        for i in range(n_per_split):
+            host = synth.benign(r, kinds[i % len(kinds)])
+            docs.append(Doc(host, "benign", f"synth-{kinds[i % len(kinds)]}"))
+            fam = r.choice(fams)
+            text, a, b = synth.insert(r, synth.benign(r, r.choice(kinds)), synth.injection(r, fam))
+            docs.append(Doc(text, "injection", f"synth|synth:{fam}", (a, b)))
+        out[split] = docs
+    return out
 
 
 def model_identity(model_dir: Path = MODEL_DIR) -> str:
@@ -144,6 +198,7 @@ class Extractor:
     """SmolLM2 truncated after the deepest candidate layer; chat prefixes prefilled once."""
 
     def __init__(self, model_dir: Path = MODEL_DIR, layers: tuple[int, ...] = CANDIDATE_LAYERS, threads: int = 1) -> None:
+        """Loads ``model_dir`` (a Hugging Face safetensors checkpoint with its tokenizer)."""
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -195,18 +250,18 @@ class Split:
         return np.array([s.label for s in self.samples])
 
 
-def extract(ex: Extractor, name: str, samples: list[Sample]) -> Split:
+def extract(ex: Extractor, name: str, samples: list[Sample], cache_dir: Path = CACHE_DIR) -> Split:
     layers = tuple(ex.layers)
     key = hashlib.sha256(json.dumps([[s.text, s.prefix] for s in samples] + [list(layers), PREFIXES]).encode()).hexdigest()[:16]
-    path = CACHE_DIR / f"{name}-{key}.npz"
+    path = cache_dir / f"{name}-{key}.npz"
     if path.is_file():
         with np.load(path) as z:
             return Split(samples, z["states"], z["offsets"], layers)
     t0, cpu0 = time.time(), time.process_time()
-    chunks = [ex.states(s.text, s.prefix) for s in samples]
+    chunks = [ex.states(s.text, s.prefix) for s in tqdm(samples, desc=f"states {name}", unit="doc", file=sys.stderr)]
     offsets = np.concatenate([[0], np.cumsum([c.shape[0] for c in chunks])])
     states = np.concatenate(chunks)
-    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    cache_dir.mkdir(parents=True, exist_ok=True)
     np.savez(path, states=states, offsets=offsets)
     log.info("extracted", split=name, docs=len(samples), tokens=int(offsets[-1]), wall_s=round(time.time() - t0, 1),
              cpu_s=round(time.process_time() - cpu0, 1))
@@ -294,15 +349,26 @@ def main(argv: list[str] | None = None) -> dict:
                     help="converted checkpoint of the configured LETHE_MODEL (`lethe prepare` prints it)")
     ap.add_argument("--kinds", type=Path, default=None,
                     help="also report the held-out-by-kind evaluation on this JSONL (python -m gate.train.kinds)")
+    ap.add_argument("--corpus", choices=("full", "synth"), default="full",
+                    help="full: train_injection's corpus (BIPIA train files + installed packages); synth: synthetic only")
+    ap.add_argument("--docs", type=int, default=None, help="documents per split (default: the plan's)")
+    ap.add_argument("--cache-dir", type=Path, default=CACHE_DIR, help="where extracted states are cached")
     args = ap.parse_args(argv)
-    plan = FULL if args.full else CUT
+    plan = plan_for(FULL if args.full else CUT, candidate_layers(args.model_dir), args.docs)
     t0, cpu0 = time.time(), time.process_time()
-    corpus = build_corpus(args.bipia, 3000, 5000)  # train_injection's defaults: identical splits
-    _check_same_data(corpus)
+    say = lambda msg: print(f"[train_probe] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    say(f"model {args.model_dir}; layers {list(plan.layers)}; corpus {args.corpus}; docs per split {plan.sample}")
+    if args.corpus == "synth":
+        corpus = synth_corpus(max(sum(v) for v in plan.sample.values()))
+    else:
+        corpus = build_corpus(args.bipia, 3000, 5000)  # train_injection's defaults: identical splits
+        _check_same_data(corpus)
     ex = Extractor(args.model_dir, layers=plan.layers, threads=args.threads)
     r = random.Random(SEED + 7)
-    splits = {name: extract(ex, f"{plan.name}-{name}", make_samples(ex.tok, corpus[name], name, r, plan))
+    plan_key = plan.name if args.model_dir == MODEL_DIR else f"{plan.name}-{ex_key(args.model_dir)}"
+    splits = {name: extract(ex, f"{plan_key}-{name}", make_samples(ex.tok, corpus[name], name, r, plan), args.cache_dir)
               for name in ("train", "dev", "test")}
+    say(f"states extracted ({round(time.time() - t0)} s); searching {len(plan.grid_layers) * len(plan.grid_windows) * len(GRID_L2)} settings on dev")
     extract_cpu = time.process_time() - cpu0
     train, dev, test = splits["train"], splits["dev"], splits["test"]
 
@@ -354,6 +420,8 @@ def main(argv: list[str] | None = None) -> dict:
                         coef=fitted[2].astype(np.float32), meta=json.dumps(meta))
     args.out.with_suffix(".json").write_text(json.dumps(meta, indent=2) + "\n")
     log.info("trained", best=best, dev=metrics["dev"], test=metrics["test"])
+    say(f"wrote {args.out}: layers {list(layers)}, window {window}; test recall@1%FPR probe "
+        f"{metrics['test']['probe']['recall_at_1pct_fpr']}, stack {metrics['test']['stack(probe,gate)']['recall_at_1pct_fpr']}")
     if args.kinds is not None:
         from gate.evaluate import load_rows, scan_rows
         from gate.train.eval_full import stack_scores
@@ -361,11 +429,19 @@ def main(argv: list[str] | None = None) -> dict:
 
         rows = load_rows(args.kinds)
         byte = scan_rows(rows, Gate())[0]["injection"]
-        probe_p, stacked, _ = stack_scores(rows, byte, name=args.kinds.stem, threads=args.threads,
-                                           probe=InjectionProbe.load(args.out), model_dir=args.model_dir)
-        meta["held_out_by_kind"] = evaluate(rows, byte, probe_p, stacked, policy_thresholds()["injection"])
+        probe_p, stacked, _ = stack_scores(rows, byte, name=f"{args.kinds.stem}-{identity[:12]}", threads=args.threads,
+                                           probe=InjectionProbe.load(args.out), model_dir=args.model_dir,
+                                           cache_dir=args.cache_dir)
+        meta["held_out_by_kind"] = report = evaluate(rows, byte, probe_p, stacked, policy_thresholds()["injection"])
         args.out.with_suffix(".json").write_text(json.dumps(meta, indent=2) + "\n")
+        say(f"held out by kind ({args.kinds}): stack recall@1%FPR {report['stack_shipped']['recall_at_1pct_fpr']}; per kind "
+            + ", ".join(f"{k} {v['recall_at_1pct_fpr']}" for k, v in report["stack_shipped"]["by_kind"].items()))
     return meta
+
+
+def ex_key(model_dir: Path) -> str:
+    """A short cache key for another model's states: its directory name and config."""
+    return hashlib.sha256((Path(model_dir).name + (Path(model_dir) / "config.json").read_text()).encode()).hexdigest()[:10]
 
 
 def _baselines(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
