@@ -190,7 +190,8 @@ class Erasure:
         content = self.ledger.content
         texts = [content.get(s.content_sha256).decode("utf-8", "surrogatepass")
                  if s.state is SegmentState.LIVE and content.exists(s.content_sha256) else "" for s in conversation]
-        conv = Conversation(self.tokenizer, [ChatMessage(role=s.role, content=t)  # type: ignore[arg-type]
+        # trusted rows, not a request: no wire validation (a tool row keeps no tool_call_id)
+        conv = Conversation(self.tokenizer, [ChatMessage.model_construct(role=s.role, content=t)
                                              for s, t in zip(conversation, texts)])
         tokens: list[int] = []
         for k, seg in enumerate(conversation):

@@ -31,7 +31,7 @@ from gateway.tenants import TenantStore
 from tests.conftest import REPO_ROOT
 from tests.gateway.conftest import PORT, wait_until
 
-pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(2400)]
+pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(4800)]
 
 CRASH_PORT = PORT + 1  # beside the live gateway's port, inside the worktree's range
 
@@ -58,7 +58,8 @@ class Server:
         log = open(self.data / "server.log", "ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve"], env=env, cwd=REPO_ROOT,
                                      stdout=log, stderr=log)
-        wait_until(self._ready, timeout_s=600, what="the gateway turning ready")
+        # the kernel plan is verified at every start: minutes on a loaded machine
+        wait_until(self._ready, timeout_s=1800, what="the gateway turning ready")
 
     def _ready(self) -> bool:
         assert self.proc is not None

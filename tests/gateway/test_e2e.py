@@ -59,6 +59,7 @@ def test_erasure_proof_verifies(scenario):
 def test_audit_verify_cli_on_export(live_gateway, scenario, tmp_path, monkeypatch):
     settings = live_gateway.state.settings
     monkeypatch.setenv("LETHE_DATA_DIR", str(settings.data_dir))
+    monkeypatch.setenv("LETHE_AUDIT_DATABASE_URL", settings.audit_db_url)  # the audit log has its own file
     export = tmp_path / "audit.json"
     runner = CliRunner()
     result = runner.invoke(cli, ["audit", "export", "--out", str(export)])
