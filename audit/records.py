@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from json.encoder import c_make_encoder, encode_basestring  # type: ignore[attr-defined]
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -16,7 +17,7 @@ from typing import Any
 import rfc8785
 
 from .errors import AuditError
-from .rules import ERASURE_KINDS, _is_int, witness_errors
+from .rules import ERASURE_KINDS, _is_int, _span, witness_errors
 
 __all__ = [
     "AuditRecord",
@@ -43,6 +44,8 @@ _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _TIME = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{6}Z")
 _STR_FIELDS = ("tenant", "session", "segment_id", "actor")
 _DICT_FIELDS = ("gate", "witness", "key")
+_EMPTY: Mapping[str, Any] = {}  # what an absent object field is checked as
+_NONE: list[Any] = []  # what absent decision reasons are checked as
 ROTATION_FIELDS = ("origin", "old_key_id", "old_key_name", "new_key_id", "new_key_name", "new_public_key")
 
 
@@ -73,6 +76,19 @@ _DIGITS_AS_ZERO = bytes(0x30 if 0x30 <= b <= 0x39 else 0x78 for b in range(256))
 _LONG_NUMBER = b"0" * 16
 
 
+def _no_default(value: Any) -> Any:
+    raise TypeError(f"{type(value).__name__} is not a JSON type")
+
+
+# json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False), built
+# once: json.dumps builds an encoder per call, a third of the cost for a record body.
+_COMPACT_SORTED = (
+    c_make_encoder(None, _no_default, encode_basestring, None, ":", ",", True, False, False)
+    if c_make_encoder is not None
+    else json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).iterencode
+)
+
+
 def canonical_parsed(body: Mapping[str, Any]) -> bytes:
     """``canonical(body)`` for a body that ``json.loads`` produced, several times faster.
 
@@ -81,9 +97,7 @@ def canonical_parsed(body: Mapping[str, Any]) -> bytes:
     only difference, and any number that could be spelt differently sends the body to the
     RFC 8785 encoder. A property test compares both on random JSON.
     """
-    fast = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode(
-        "utf-8", "surrogatepass"
-    )
+    fast = "".join(_COMPACT_SORTED(body, 0)).encode("utf-8", "surrogatepass")
     if fast.isascii() and not any(s in fast for s in _MAY_DIFFER) and _LONG_NUMBER not in fast.translate(_DIGITS_AS_ZERO):
         return fast
     return canonical(body)
@@ -98,13 +112,13 @@ def _has_content(value: Any) -> bool:
 
 
 def _type_errors(body: Mapping[str, Any]) -> list[str]:
-    errors = [f"'{f}' must be a string" for f in _STR_FIELDS if f in body and not isinstance(body[f], str)]
-    errors += [f"'{f}' must be an object" for f in _DICT_FIELDS if f in body and not isinstance(body[f], Mapping)]
-    if "span" in body:
-        span = body["span"]
-        if not (isinstance(span, list | tuple) and len(span) == 2 and all(map(_is_int, span)) and 0 <= span[0] <= span[1]):
-            errors.append("'span' must be [start, end] token positions with 0 <= start <= end")
-    if "token_count" in body and not (_is_int(body["token_count"]) and body["token_count"] >= 0):
+    get = body.get
+    errors = [f"'{f}' must be a string" for f in _STR_FIELDS if not isinstance(get(f, ""), str)]
+    errors += [f"'{f}' must be an object" for f in _DICT_FIELDS if not isinstance(get(f, _EMPTY), Mapping)]
+    if "span" in body and _span(body["span"]) is None:
+        errors.append("'span' must be [start, end] token positions with 0 <= start <= end")
+    count = get("token_count", 0)
+    if not (_is_int(count) and count >= 0):
         errors.append("'token_count' must be a non-negative integer")
     if "content_sha256" in body and not (isinstance(body["content_sha256"], str) and _SHA256_HEX.fullmatch(body["content_sha256"])):
         errors.append("'content_sha256' must be 64 lowercase hex digits")
@@ -114,7 +128,7 @@ def _type_errors(body: Mapping[str, Any]) -> list[str]:
         d = body["decision"]
         if not (isinstance(d, Mapping) and isinstance(d.get("action"), str)):
             errors.append("'decision' must be an object with a string 'action'")
-        elif not isinstance(d.get("reasons", []), list) or not isinstance(d.get("bundle_hash", ""), str):
+        elif not isinstance(d.get("reasons", _NONE), list) or not isinstance(d.get("bundle_hash", ""), str):
             errors.append("'decision.reasons' must be a list and 'decision.bundle_hash' a string")
     return errors
 
