@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import re
 from json.encoder import c_make_encoder, encode_basestring  # type: ignore[attr-defined]
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -17,7 +17,7 @@ from typing import Any
 import rfc8785
 
 from .errors import AuditError
-from .rules import ERASURE_KINDS, _is_int, _span, witness_errors
+from .rules import ERASURE_KINDS, _is_int, _is_object, _span, witness_errors
 
 __all__ = [
     "AuditRecord",
@@ -26,9 +26,11 @@ __all__ = [
     "body_errors",
     "canonical",
     "canonical_parsed",
+    "compact_sorted",
     "format_time",
     "parse_time",
     "rotation_message",
+    "spelling_doubts",
     "validate",
     "witness_errors",
 ]
@@ -44,8 +46,6 @@ _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _TIME = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{6}Z")
 _STR_FIELDS = ("tenant", "session", "segment_id", "actor")
 _DICT_FIELDS = ("gate", "witness", "key")
-_EMPTY: Mapping[str, Any] = {}  # what an absent object field is checked as
-_NONE: list[Any] = []  # what absent decision reasons are checked as
 ROTATION_FIELDS = ("origin", "old_key_id", "old_key_name", "new_key_id", "new_key_name", "new_public_key")
 
 
@@ -66,14 +66,29 @@ def canonical(body: Mapping[str, Any]) -> bytes:
         raise AuditError(f"audit record is not canonical JSON ({e}); use str, int (< 2**53), float, bool, list, dict") from e
 
 
-# Where Python's compact, sorted json.dumps may spell a number differently from RFC 8785: an
-# integral float ("1.0" vs "1"), an exponent ("1e-07" vs "1e-7", "1e+16" vs "10000000000000000"),
-# an integer of 16 digits or more (RFC 8785 refuses 2**53 and up). Each is looked for with plain
-# substring searches (a regex costs more than the rest of the check); a hit inside a string, such
-# as a digest with a long run of decimal digits, only costs the slow path.
+# Where Python's compact, sorted json.dumps may spell a body differently from RFC 8785: a byte
+# outside ASCII (RFC 8785 orders names by UTF-16 code units and refuses lone surrogates), an
+# integral float (always ".0" then ",", "]" or "}": "1.0" vs "1"), an exponent (always "e" and a
+# sign: "1e-07" vs "1e-7", "1e+16" vs "10000000000000000"), an integer of 16 digits or more (RFC 8785
+# refuses 2**53 and up; in compact JSON a number follows ":", "," or "[", maybe with "-"). Looked
+# for with substring searches (a regex costs more than the encoding); a hit inside a string costs
+# only the RFC 8785 encoder.
 _MAY_DIFFER = (b".0,", b".0]", b".0}", b"e-", b"e+")
-_DIGITS_AS_ZERO = bytes(0x30 if 0x30 <= b <= 0x39 else 0x78 for b in range(256))
-_LONG_NUMBER = b"0" * 16
+_CLASSES = bytes(
+    0x30 if 0x30 <= b <= 0x39 else b if b in b":-" else 0x3A if b in b",[" else 0x80 if b >= 0x80 else 0x78 for b in range(256)
+)
+_MAY_DIFFER_CLASSES = (b":" + b"0" * 16, b":-" + b"0" * 16, b"\x80")
+
+
+def spelling_doubts(spelt: bytes) -> Iterator[int]:
+    """Offsets in ``spelt`` (compact sorted ``json.dumps`` output in UTF-8, or a text made of such
+    pieces) near which it may differ from RFC 8785; where there are none, it is RFC 8785."""
+    for text, needles in ((spelt, _MAY_DIFFER), (spelt.translate(_CLASSES), _MAY_DIFFER_CLASSES)):
+        for needle in needles:
+            at = text.find(needle)
+            while at >= 0:
+                yield at
+                at = text.find(needle, at + 1)
 
 
 def _no_default(value: Any) -> Any:
@@ -95,12 +110,15 @@ def canonical_parsed(body: Mapping[str, Any]) -> bytes:
     For such a body (str keys, JSON types only) that is all ASCII, ``json.dumps(sort_keys=True,
     separators=(",", ":"))`` escapes strings and orders keys as RFC 8785 does; numbers are the
     only difference, and any number that could be spelt differently sends the body to the
-    RFC 8785 encoder. A property test compares both on random JSON.
+    RFC 8785 encoder (``spelling_doubts``). A property test compares both on random JSON.
     """
-    fast = "".join(_COMPACT_SORTED(body, 0)).encode("utf-8", "surrogatepass")
-    if fast.isascii() and not any(s in fast for s in _MAY_DIFFER) and _LONG_NUMBER not in fast.translate(_DIGITS_AS_ZERO):
-        return fast
-    return canonical(body)
+    fast = compact_sorted(body)
+    return fast if next(spelling_doubts(fast), None) is None else canonical(body)
+
+
+def compact_sorted(body: Mapping[str, Any]) -> bytes:
+    """``json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)`` in UTF-8."""
+    return "".join(_COMPACT_SORTED(body, 0)).encode("utf-8", "surrogatepass")
 
 
 def _has_content(value: Any) -> bool:
@@ -112,12 +130,16 @@ def _has_content(value: Any) -> bool:
 
 
 def _type_errors(body: Mapping[str, Any]) -> list[str]:
-    get = body.get
-    errors = [f"'{f}' must be a string" for f in _STR_FIELDS if not isinstance(get(f, ""), str)]
-    errors += [f"'{f}' must be an object" for f in _DICT_FIELDS if not isinstance(get(f, _EMPTY), Mapping)]
+    errors = []
+    for name in _STR_FIELDS:
+        if name in body and not isinstance(body[name], str):
+            errors.append(f"'{name}' must be a string")
+    for name in _DICT_FIELDS:
+        if name in body and not _is_object(body[name]):
+            errors.append(f"'{name}' must be an object")
     if "span" in body and _span(body["span"]) is None:
         errors.append("'span' must be [start, end] token positions with 0 <= start <= end")
-    count = get("token_count", 0)
+    count = body.get("token_count", 0)
     if not (_is_int(count) and count >= 0):
         errors.append("'token_count' must be a non-negative integer")
     if "content_sha256" in body and not (isinstance(body["content_sha256"], str) and _SHA256_HEX.fullmatch(body["content_sha256"])):
@@ -126,9 +148,9 @@ def _type_errors(body: Mapping[str, Any]) -> list[str]:
         errors.append("'time' must be UTC as YYYY-MM-DDTHH:MM:SS.ffffffZ")
     if "decision" in body:
         d = body["decision"]
-        if not (isinstance(d, Mapping) and isinstance(d.get("action"), str)):
+        if not (_is_object(d) and isinstance(d.get("action"), str)):
             errors.append("'decision' must be an object with a string 'action'")
-        elif not isinstance(d.get("reasons", _NONE), list) or not isinstance(d.get("bundle_hash", ""), str):
+        elif not isinstance(d.get("reasons", []), list) or not isinstance(d.get("bundle_hash", ""), str):
             errors.append("'decision.reasons' must be a list and 'decision.bundle_hash' a string")
     return errors
 

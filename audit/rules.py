@@ -31,14 +31,18 @@ def _is_int(v: Any) -> bool:
     return type(v) is int or (isinstance(v, int) and not isinstance(v, bool))  # the first test settles parsed JSON
 
 
+def _is_object(v: Any) -> bool:
+    return type(v) is dict or isinstance(v, Mapping)  # the first test settles parsed JSON (an ABC check costs more)
+
+
 def _is_number(v: Any) -> bool:
     return _is_int(v) or (isinstance(v, float) and math.isfinite(v))  # isfinite(10**400) would raise
 
 
 def _span(v: Any) -> tuple[int, int] | None:
-    if isinstance(v, (list, tuple)) and len(v) == 2:
+    if (type(v) is list or isinstance(v, tuple)) and len(v) == 2:
         start, end = v
-        if _is_int(start) and _is_int(end) and 0 <= start <= end:
+        if (type(start) is int or _is_int(start)) and (type(end) is int or _is_int(end)) and 0 <= start <= end:
             return start, end
     return None
 
@@ -116,7 +120,7 @@ def witness_errors(body: Mapping[str, Any]) -> list[str]:
     """Why a record's witness does not support its kind; empty when it does (see the module docstring)."""
     kind, w = body.get("kind"), body.get("witness")
     if kind in ERASURE_KINDS or kind == "amortize":
-        if not isinstance(w, Mapping):
+        if not _is_object(w):
             return [f"a {kind} record needs the kernel's witness object"]
         return _erasure_errors(kind, w, body) if kind in ERASURE_KINDS else _amortize_errors(w, body)
     return [] if w is None else [f"a {kind} record carries no witness (only erasures and amortize do)"]

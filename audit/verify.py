@@ -44,7 +44,9 @@ import base64
 import gc
 import json
 import sys
+from bisect import bisect_right
 from collections.abc import Mapping
+from itertools import accumulate
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -54,7 +56,7 @@ from .errors import AuditError
 from .layout import EXPORT_FORMAT
 from .merkle import CompactRange, InclusionProof, ProofError, hash_leaf
 from .note import Checkpoint, NoteError, NoteVerifier
-from .records import body_errors, canonical_parsed, rotation_message
+from .records import body_errors, canonical, canonical_parsed, compact_sorted, rotation_message, spelling_doubts
 from .rules import ERASURE_KINDS, witness_errors
 from .strict import Malformed, _no_constant, expect, fields, load_json, read_bytes, read_text
 
@@ -132,22 +134,32 @@ def _as_written(data: bytes) -> tuple[dict[str, Any], list[bytes]] | None:
     own parse (``audit.layout``); else None, and the strict reader decides.
 
     Parsed by the C scanner without a per-object hook: a duplicate name cannot survive the
-    comparison, since the layout of a parsed document spells each name once, and each body matching
-    its canonical bytes proves it canonical. Several times faster than the strict reader.
+    comparison, since the layout of a parsed document spells each name once; each body is spelt by
+    the C encoder, and the few places where that spelling may differ from RFC 8785 are looked for
+    in the whole text at once (``spelling_doubts``), their records re-encoded by RFC 8785. Several
+    times faster than the strict reader.
     """
     try:
         doc = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
         if type(doc) is not dict or list(doc) != layout.NAMES:
             return None
         records = doc["records"]
-        entries = [canonical_parsed(_object(rec["body"])) for rec in records]
+        entries = [compact_sorted(_object(rec["body"])) for rec in records]
         head = layout.head({name: doc[name] for name in layout.HEAD_NAMES}, doc["checkpoints"]).encode()
-        written = layout.RECORD_SEPARATOR.join([layout.record(r["index"], r["leaf_hash"], e) for r, e in zip(records, entries)])
+        pieces = [layout.record(r["index"], r["leaf_hash"], e) for r, e in zip(records, entries)]
+        if data != head + layout.RECORD_SEPARATOR.join(pieces) + layout.TAIL:
+            return None
+        starts = None
+        for at in spelling_doubts(data):
+            if at < len(head):
+                continue
+            starts = starts or list(accumulate((len(p) + len(layout.RECORD_SEPARATOR) for p in pieces), initial=len(head)))
+            i = bisect_right(starts, at) - 1
+            if i < len(records) and canonical(records[i]["body"]) != entries[i]:
+                return None  # not RFC 8785: the strict reader names the record
     except (AuditError, ValueError, TypeError, AttributeError, KeyError, RecursionError):
         return None  # not the log's layout, or not even JSON: the strict reader names what is wrong
-    end = len(data) - len(layout.TAIL)
-    same = data.startswith(head) and data.endswith(layout.TAIL) and memoryview(data)[len(head) : end] == written
-    return (doc, entries) if same else None
+    return doc, entries
 
 
 def _object(value: Any) -> dict[str, Any]:
@@ -260,28 +272,35 @@ class _KeyChain:
 def _check_record(
     report: VerifyReport, position: int, rec: Mapping[str, Any], chain: _KeyChain | None, entry: bytes | None = None
 ) -> bytes:
-    """Check one record (``entry``: its body's canonical bytes, if known); return its leaf hash (for the tree)."""
-    label, body = f"record {position}", rec["body"]
+    """Check one record (``entry``: its body's canonical bytes, if known); return its leaf hash (for the tree).
+
+    Runs once per record, so the honest path builds no message and no list it does not need.
+    """
+    body, errors = rec["body"], []
     if rec["index"] != position:
-        report.errors.append(f"{label}: index {rec['index']} found at position {position} (records deleted, inserted or reordered)")
+        errors.append(f"index {rec['index']} found at position {position} (records deleted, inserted or reordered)")
     try:
         entry = canonical_parsed(body) if entry is None else entry
         leaf = hash_leaf(entry)
     except (AuditError, ValueError, TypeError, RecursionError) as e:
-        report.errors.append(f"{label}: body is not canonical JSON ({e})")
+        errors.append(f"body is not canonical JSON ({e})")
         entry, leaf = None, _NO_LEAF
     if rec["leaf_hash"] != leaf.hex():
-        report.errors.append(f"{label}: leaf hash {rec['leaf_hash']} does not match the body's {leaf.hex()}")
-    schema = body_errors(body, entry) + ([] if "time" in body else ["'time' missing: the log stamps every record"])
-    report.errors += [f"{label}: schema: {e}" for e in schema]
-    report.errors += [f"{label}: witness: {e}" for e in witness_errors(body)]
+        errors.append(f"leaf hash {rec['leaf_hash']} does not match the body's {leaf.hex()}")
+    schema = body_errors(body, entry)
+    if "time" not in body:
+        schema.append("'time' missing: the log stamps every record")
+    witness = witness_errors(body)
+    if errors or schema or witness:
+        report.errors += [f"record {position}: {e}" for e in errors]
+        report.errors += [f"record {position}: schema: {e}" for e in schema]
+        report.errors += [f"record {position}: witness: {e}" for e in witness]
     if chain is not None and body.get("kind") == "key-rotation" and not schema:
         error = chain.rotate(position, body["key"])
         if error:
-            report.errors.append(f"{label}: key rotation: {error}")
+            report.errors.append(f"record {position}: key rotation: {error}")
         else:
             report.count("key_rotations")
-    report.count("records")
     return leaf
 
 
@@ -314,6 +333,8 @@ class _ExportCheck:
             entry = entries[position] if entries is not None else None
             self.tree.append(_check_record(self.report, position, rec, self.chain, entry))
             self._reached()
+        if records:
+            self.report.count("records", len(records))
         for size, cps in sorted(self.pending.items()):  # Step 5
             for _, label in cps:
                 self.report.errors.append(f"{label} {size}: covers {size} records but the export holds {len(records)}: the log was truncated")
@@ -456,6 +477,7 @@ def verify_erasure_proof(proof: dict | Path | str, *, public_key_pem: str | None
         report.anchor = f"the {'pinned' if public_key_pem else 'proof’s own (--no-anchor)'} key {verifier.key_id}"
         index = rec["index"]
         leaf = _check_record(report, index, rec, None)  # Step 2
+        report.count("records")
         if rec["time"] != rec["body"].get("time"):
             report.errors.append(f"record {index}: time {rec['time']!r} is not the signed body's {rec['body'].get('time')!r}")
         kind = rec["body"].get("kind")
