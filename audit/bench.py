@@ -125,7 +125,7 @@ def _bench_backend(url: str, key: Path, records: int, progress: bool) -> dict[st
 def _verify_bench(tmp: Path, records: int, runs: int = 3) -> dict[str, Any]:
     """Offline verification of an honest export of ``records`` records, one signed checkpoint per
     64 (as the gateway batches), anchored to the pinned genesis key: file read, strict parse and
-    every check, as ``python -m audit.verify`` runs them."""
+    every check, as ``python -m audit.verify`` runs them (one process, one core)."""
     from .verify import verify_export
 
     signer = Signer.generate()
@@ -156,7 +156,8 @@ def _verify_bench(tmp: Path, records: int, runs: int = 3) -> dict[str, Any]:
         "target_s": 1.0,
         "load_average_1m": round(os.getloadavg()[0], 2),
         "cpus": os.cpu_count(),
-        "note": "file read + strict parse + every check (leaf hashes, tree, signatures, witnesses, key chain, header)",
+        "note": "file read + parse (the log's own layout: C scanner, no duplicate name and RFC 8785 bodies proven by "
+        "comparison) + every check (leaf hashes, tree, signatures, witnesses, key chain, header); CPU = this process",
     }
 
 
