@@ -138,8 +138,8 @@ def _as_written(data: bytes) -> tuple[dict[str, Any], list[bytes]] | None:
     Parsed by the C scanner without a per-object hook: a duplicate name cannot survive the
     comparison, since the layout of a parsed document spells each name once; each body is spelt by
     the C encoder, and the few places where that spelling may differ from RFC 8785 are looked for
-    in the whole text at once (``spelling_doubts``), their records re-encoded by RFC 8785. Several
-    times faster than the strict reader.
+    in the whole text at once (``spelling_doubts``), their records re-encoded by RFC 8785: no Python
+    call per object or per body, as the strict reader needs.
     """
     try:
         doc = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
@@ -172,8 +172,13 @@ def _object(value: Any) -> dict[str, Any]:
 
 def _read_export(source: dict | str | Path) -> tuple[dict[str, Any], list[bytes] | None]:
     """The export, shape-checked, and its bodies' canonical bytes when the layout proved them."""
-    written = None if isinstance(source, dict) else _as_written(read_bytes(source, "export"))
-    doc = fields(written[0] if written else _document(source, "export"), "export", _EXPORT)
+    data = None if isinstance(source, dict) else read_bytes(source, "export")
+    written = None if data is None else _as_written(data)
+    if written:
+        parsed: Any = written[0]
+    else:
+        parsed = source if data is None else load_json(data, "export")
+    doc = fields(parsed, "export", _EXPORT)
     if doc["format"] != EXPORT_FORMAT:
         raise Malformed("export.format", f"{doc['format']!r} is not {EXPORT_FORMAT!r}")
     if not doc["origin"] or "\n" in doc["origin"]:
