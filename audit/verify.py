@@ -1,6 +1,6 @@
 """Offline verification of an audit export or an erasure proof. Trusts nothing the gateway says.
 
-Imports only the stdlib, cryptography, rfc8785, httpx (for ``verify_url``) and audit's pure
+Imports only the stdlib, cryptography, rfc8785, orjson, httpx (for ``verify_url``) and audit's pure
 modules (merkle, note, records, rules, strict): no database, gateway or kernel code, so an auditor
 can run it alone (``python -m audit.verify --export FILE --public-key KEY.pem``).
 
@@ -9,7 +9,7 @@ An export is verified in these steps (the numbers are the ``# Step N`` comments 
 1. Read strictly: UTF-8 (a byte-order mark is accepted), JSON with no duplicate name in any
    object and no NaN, and the export's shape: every field present and of its type. Malformed
    input stops here, with one line naming the place (exit code 2). A file laid out exactly as the
-   log writes it (``audit.layout``) is read faster, by the C scanner, and proven free of duplicate
+   log writes it (``audit.layout``) is read faster, by orjson, and proven free of duplicate
    names and canonical by comparison with the layout of its own parse (``_as_written``).
 2. Replay the records, rebuilding the RFC 9162 tree: each record's position, its leaf hash
    (SHA-256 of 0x00 and its RFC 8785 bytes), its schema, its witness (``audit.rules``, the rules
@@ -44,7 +44,7 @@ from __future__ import annotations
 import argparse
 import base64
 import gc
-import json
+import os
 import sys
 from bisect import bisect_right
 from collections.abc import Mapping
@@ -53,6 +53,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+import orjson
+
 from . import layout
 from .errors import AuditError
 from .layout import EXPORT_FORMAT
@@ -60,7 +62,7 @@ from .merkle import CompactRange, InclusionProof, ProofError, hash_leaf
 from .note import Checkpoint, NoteError, NoteVerifier
 from .records import body_errors, canonical, canonical_parsed, compact_sorted, rotation_message, spelling_doubts
 from .rules import ERASURE_KINDS, witness_errors
-from .strict import Malformed, _no_constant, expect, fields, load_json, read_bytes, read_text
+from .strict import Malformed, expect, fields, load_json, read_bytes, read_text
 
 __all__ = ["VerifyReport", "run", "verify_erasure_proof", "verify_export", "verify_url"]
 
@@ -135,17 +137,22 @@ def _as_written(data: bytes) -> tuple[dict[str, Any], list[bytes]] | None:
     """The export and its bodies' RFC 8785 bytes, if ``data`` is exactly how the log lays out its
     own parse (``audit.layout``); else None, and the strict reader decides.
 
-    Parsed by the C scanner without a per-object hook: a duplicate name cannot survive the
-    comparison, since the layout of a parsed document spells each name once; each body is spelt by
-    the C encoder, and the few places where that spelling may differ from RFC 8785 are looked for
+    Parsed by orjson without a per-object hook: a duplicate name cannot survive the comparison,
+    since the layout of a parsed document spells each name once; nor can a number orjson reads
+    inexactly (an integer past 64 bits becomes a float, spelt with "." or "e"; an index is checked to
+    be an int, since "%d" of a float could spell the same digits). orjson refuses a byte-order mark,
+    a lone surrogate, NaN and nesting past 255 levels: those go to the strict reader. Each body is
+    spelt by ``compact_sorted``, and the few places where that spelling may differ from RFC 8785 are looked for
     in the whole text at once (``spelling_doubts``), their records re-encoded by RFC 8785: no Python
     call per object or per body, as the strict reader needs.
     """
     try:
-        doc = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+        doc = orjson.loads(data)
         if type(doc) is not dict or list(doc) != layout.NAMES:
             return None
         records = doc["records"]
+        if not all(type(rec["index"]) is int for rec in records):
+            return None
         entries = [compact_sorted(_object(rec["body"])) for rec in records]
         head = layout.head({name: doc[name] for name in layout.HEAD_NAMES}, doc["checkpoints"]).encode()
         pieces = [layout.record(r["index"], r["leaf_hash"], e) for r, e in zip(records, entries)]
@@ -276,10 +283,10 @@ class _KeyChain:
 
 # --- one record (step 2 of both) ---------------------------------------------------------------
 
-def _check_record(
-    report: VerifyReport, position: int, rec: Mapping[str, Any], chain: _KeyChain | None, entry: bytes | None = None
-) -> bytes:
-    """Check one record (``entry``: its body's canonical bytes, if known); return its leaf hash (for the tree).
+def _record_findings(position: int, rec: Mapping[str, Any], entry: bytes | None = None) -> tuple[bytes, list[str], bool]:
+    """Step 2 for one record, on its own (``entry``: its body's canonical bytes, if known): its leaf
+    hash (for the tree), what is wrong with it (each message naming it), and whether it is a
+    well-formed key rotation, which the key chain then applies in order.
 
     Runs once per record, so the honest path builds no message and no list it does not need.
     """
@@ -298,16 +305,66 @@ def _check_record(
     if "time" not in body:
         schema.append("'time' missing: the log stamps every record")
     witness = witness_errors(body)
+    messages = []
     if errors or schema or witness:
-        report.errors += [f"record {position}: {e}" for e in errors]
-        report.errors += [f"record {position}: schema: {e}" for e in schema]
-        report.errors += [f"record {position}: witness: {e}" for e in witness]
-    if chain is not None and body.get("kind") == "key-rotation" and not schema:
-        error = chain.rotate(position, body["key"])
-        if error:
-            report.errors.append(f"record {position}: key rotation: {error}")
-        else:
-            report.count("key_rotations")
+        messages += [f"record {position}: {e}" for e in errors]
+        messages += [f"record {position}: schema: {e}" for e in schema]
+        messages += [f"record {position}: witness: {e}" for e in witness]
+    return leaf, messages, body.get("kind") == "key-rotation" and not schema
+
+
+def _rotate(report: VerifyReport, chain: _KeyChain, position: int, key: Mapping[str, str]) -> None:
+    error = chain.rotate(position, key)
+    if error:
+        report.errors.append(f"record {position}: key rotation: {error}")
+    else:
+        report.count("key_rotations")
+
+
+# Records (and their proven canonical bodies) for ``_findings`` in a forked worker, which inherits
+# them: nothing is pickled on the way in, only leaf hashes and the rare findings on the way back.
+_SHARED: tuple[list[Any], list[bytes] | None] = ([], None)
+PARALLEL_FROM = 20_000  # records; below this a second process costs more than it saves
+
+
+def _findings(start: int, stop: int) -> tuple[bytes, dict[int, tuple[list[str], bool]]]:
+    """``_record_findings`` for records ``start..stop-1`` of ``_SHARED``: their leaf hashes joined
+    (32 bytes each), and the findings of the records with a message or a key rotation."""
+    records, entries = _SHARED
+    leaves, notes = [], {}
+    for position in range(start, stop):
+        leaf, messages, rotation = _record_findings(position, records[position], None if entries is None else entries[position])
+        leaves.append(leaf)
+        if messages or rotation:
+            notes[position] = (messages, rotation)
+    return b"".join(leaves), notes
+
+
+def _all_findings(records: list[Any], entries: list[bytes] | None, workers: int) -> tuple[bytes, dict[int, tuple[list[str], bool]]]:
+    """``_findings`` for every record: with ``workers`` 2, the second half in a forked process
+    while this one does the first; merged by position, so the report is the same either way."""
+    global _SHARED
+    _SHARED = (records, entries)
+    try:
+        if workers < 2 or len(records) < 2:
+            return _findings(0, len(records))
+        from concurrent.futures import ProcessPoolExecutor  # imported here: most runs never fork
+        from multiprocessing import get_context
+
+        half = len(records) // 2
+        with ProcessPoolExecutor(1, mp_context=get_context("fork")) as pool:
+            second = pool.submit(_findings, half, len(records))
+            leaves, notes = _findings(0, half)
+            more_leaves, more_notes = second.result()
+        return leaves + more_leaves, {**notes, **more_notes}
+    finally:
+        _SHARED = ([], None)
+
+
+def _check_record(report: VerifyReport, position: int, rec: Mapping[str, Any]) -> bytes:
+    """Step 2 for one record with no key chain (an erasure proof); return its leaf hash."""
+    leaf, messages, _ = _record_findings(position, rec)
+    report.errors += messages
     return leaf
 
 
@@ -332,14 +389,20 @@ class _ExportCheck:
         if trusted is not None:
             self.pending.setdefault(trusted.size, []).append((trusted, "trusted checkpoint"))
 
-    def run(self, entries: list[bytes] | None) -> None:
-        """``entries``: the records' canonical bodies, when the reader already proved them."""
+    def run(self, entries: list[bytes] | None, workers: int) -> None:
+        """``entries``: the records' canonical bodies, when the reader already proved them;
+        ``workers``: processes for the per-record checks (``_all_findings``)."""
         records = self.doc["records"]
         self._reached()
-        tree, pending = self.tree, self.pending
-        for position, rec in enumerate(records):  # Step 2
-            entry = entries[position] if entries is not None else None
-            tree.append(_check_record(self.report, position, rec, self.chain, entry))
+        leaves, notes = _all_findings(records, entries, workers)  # Step 2
+        tree, pending, report = self.tree, self.pending, self.report
+        for position in range(len(records)):  # in order: each message, rotation and checkpoint in its place
+            tree.append(leaves[32 * position : 32 * position + 32])
+            if position in notes:
+                messages, rotation = notes[position]
+                report.errors += messages
+                if rotation:
+                    _rotate(report, self.chain, position, records[position]["body"]["key"])
             if tree.size in pending:
                 self._reached()
         if records:
@@ -406,6 +469,12 @@ class _ExportCheck:
                 )
 
 
+def _workers(asked: int | None, records: int) -> int:
+    if asked is not None:
+        return asked
+    return 2 if hasattr(os, "fork") and records >= PARALLEL_FROM and (os.cpu_count() or 1) >= 2 else 1
+
+
 def _anchor(report: VerifyReport, check: _ExportCheck, pinned: NoteVerifier | None, no_anchor: bool) -> None:
     """Step 7: the root of trust."""
     trusted = check.trusted
@@ -436,10 +505,13 @@ def verify_export(
     trusted_checkpoint: str | Path | None = None,
     public_key_pem: str | None = None,
     no_anchor: bool = False,
+    workers: int | None = None,
 ) -> VerifyReport:
     """Verify an export (a file, or a dict as ``json.load`` returns it); see the module docstring.
 
     ``trusted_checkpoint`` is a note (text, or a path to a file); ``public_key_pem`` the pinned key.
+    ``workers``: 1 checks every record in this process; 2 checks the second half in a forked one
+    (same report); by default 2 from ``PARALLEL_FROM`` records where there are two cores and fork.
     """
 
     def check(report: VerifyReport) -> None:
@@ -447,7 +519,7 @@ def verify_export(
         pinned = _verifier("pinned", public_key_pem, "public key") if public_key_pem is not None else None
         trusted = _checkpoint(_trusted_note(trusted_checkpoint), "trusted checkpoint") if trusted_checkpoint is not None else None
         run = _ExportCheck(report, doc, trusted)
-        run.run(entries)  # Steps 2 to 6
+        run.run(entries, _workers(workers, len(doc["records"])))  # Steps 2 to 6
         _anchor(report, run, pinned, no_anchor)  # Step 7
 
     return _guarded(check)
@@ -485,7 +557,7 @@ def verify_erasure_proof(proof: dict | Path | str, *, public_key_pem: str | None
         verifier = _verifier(key["name"], public_key_pem or key["public_key_pem"], "public key" if public_key_pem else "proof.public_key")
         report.anchor = f"the {'pinned' if public_key_pem else 'proof’s own (--no-anchor)'} key {verifier.key_id}"
         index = rec["index"]
-        leaf = _check_record(report, index, rec, None)  # Step 2
+        leaf = _check_record(report, index, rec)  # Step 2
         report.count("records")
         if rec["time"] != rec["body"].get("time"):
             report.errors.append(f"record {index}: time {rec['time']!r} is not the signed body's {rec['body'].get('time')!r}")

@@ -5,7 +5,8 @@ the C encoder; it may answer only when the file is the log's layout of its own p
 body in RFC 8785 bytes. These properties pin that down: whatever it accepts, the strict reader
 parses to the same document and RFC 8785 spells the same bodies; a duplicated name anywhere sends
 the file to the strict reader, which refuses it; and the fast canonical encoder equals RFC 8785 on
-nasty JSON (control characters, U+2028, DEL, astral characters, lone surrogates, every float).
+nasty JSON (control characters, U+2028, DEL, astral characters, lone surrogates, every float,
+integers past 64 bits, which orjson reads as floats and refuses to write).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ NASTY = st.sampled_from(["\x00", "\x1f", "\x7f", "\u2028", "\u2029", "\ud800", "
 TEXT = st.text(st.characters(exclude_categories=()), max_size=6) | st.lists(NASTY, max_size=3).map("".join)
 NUMBER = (
     st.integers(-(2**60), 2**60) | st.sampled_from([2**53 - 1, 2**53, -(2**53), 10**15, 10**16 - 1])
+    | st.sampled_from([2**63, -(2**63) - 1, 2**64 - 1, 2**64, -(2**64), 10**30])  # past orjson's 64 bits
     | st.floats(allow_nan=False, allow_infinity=False)
     | st.sampled_from([0.0, -0.0, 1.0, 1e-4, 9.99e-5, 1e-6, 1e-7, 1e15, 1e16, 1e21, 5e-324, 1.5, 0.1])
 )
@@ -140,3 +142,12 @@ def test_a_member_duplicated_in_the_header_or_a_record_is_refused(honest, tmp_pa
 def _write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
+
+
+@pytest.mark.parametrize("index", ["18446744073709551616", "18446744073709551617", "-9223372036854775809"])
+def test_an_index_past_64_bits_is_read_exactly_by_the_strict_reader(honest, signer, tmp_path, index):
+    _, _, path = honest
+    forged = path.read_text().replace('"index": 3,', f'"index": {index},', 1)
+    assert _as_written(forged.encode()) is None
+    report = verify_export(_write(tmp_path / "big.json", forged), public_key_pem=signer.public_key_pem)
+    assert f"record 3: index {index} found at position 3" in report.errors[0]
