@@ -122,12 +122,28 @@ def _bench_backend(url: str, key: Path, records: int, progress: bool) -> dict[st
     return result
 
 
-def _verify_bench(tmp: Path, records: int, runs: int = 3) -> dict[str, Any]:
-    """Offline verification of an honest export of ``records`` records, one signed checkpoint per
-    64 (as the gateway batches), anchored to the pinned genesis key: file read, strict parse and
-    every check, as ``python -m audit.verify`` runs them."""
+def _timed_verify(path: Path, pem: str, workers: int, runs: int) -> dict[str, Any]:
+    """The best of ``runs`` verifications with ``workers`` processes: wall seconds, and this
+    process's CPU seconds (a forked worker's CPU is not counted in it)."""
     from .verify import verify_export
 
+    seconds, cpu = [], []
+    for _ in range(runs):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        report = verify_export(path, public_key_pem=pem, workers=workers)
+        seconds.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+        if not report.ok:
+            raise RuntimeError(f"the honest bench export did not verify: {report.errors[:3]}")
+    return {"s": round(min(seconds), 3), "s_runs": [round(x, 3) for x in seconds], "cpu_s": round(min(cpu), 3),
+            "checkpoints": report.checked.get("checkpoint_signatures", 0)}
+
+
+def _verify_bench(tmp: Path, records: int, runs: int = 3) -> dict[str, Any]:
+    """Offline verification of an honest export of ``records`` records, one signed checkpoint per
+    64 (as the gateway batches), anchored to the pinned genesis key: file read, parse and every
+    check, as ``python -m audit.verify`` runs them, on one core and on two (the second half of the
+    records checked in a forked process; the default from ``verify.PARALLEL_FROM`` records)."""
     signer = Signer.generate()
     log = AuditLog(f"sqlite:///{tmp / 'verify-bench.db'}", signer, batch_size=64)
     for start in range(0, records, FILL_BATCH):
@@ -137,26 +153,29 @@ def _verify_bench(tmp: Path, records: int, runs: int = 3) -> dict[str, Any]:
     path = tmp / "verify-bench.json"
     log.export(path)
     log.close()
-    seconds, cpu = [], []
-    for _ in range(runs):
-        start, start_cpu = time.perf_counter(), time.process_time()
-        report = verify_export(path, public_key_pem=signer.public_key_pem)
-        seconds.append(time.perf_counter() - start)
-        cpu.append(time.process_time() - start_cpu)
-        if not report.ok:
-            raise RuntimeError(f"the honest bench export did not verify: {report.errors[:3]}")
+    one = _timed_verify(path, signer.public_key_pem, 1, runs)
+    two = _timed_verify(path, signer.public_key_pem, 2, runs) if (os.cpu_count() or 1) >= 2 else None
+    best = two if two is not None and two["s"] < one["s"] else one
     return {
         "records": records,
         "export_mb": round(path.stat().st_size / 1e6, 1),
-        "checkpoints": report.checked.get("checkpoint_signatures", 0),
-        "verify_s": round(min(seconds), 3),
-        "verify_s_runs": [round(x, 3) for x in seconds],
-        "verify_cpu_s": round(min(cpu), 3),
-        "records_per_s": round(records / min(seconds)),
+        "checkpoints": one["checkpoints"],
+        "verify_s": best["s"],
+        "verify_s_is": "two_cores" if best is two else "one_core",
+        "one_core_s": one["s"],
+        "one_core_s_runs": one["s_runs"],
+        "one_core_cpu_s": one["cpu_s"],
+        "two_cores_s": two and two["s"],
+        "two_cores_s_runs": two and two["s_runs"],
+        "two_cores_parent_cpu_s": two and two["cpu_s"],
+        "records_per_s": round(records / best["s"]),
         "target_s": 1.0,
         "load_average_1m": round(os.getloadavg()[0], 2),
         "cpus": os.cpu_count(),
-        "note": "file read + strict parse + every check (leaf hashes, tree, signatures, witnesses, key chain, header)",
+        "note": "file read + parse (the log's own layout: orjson, no duplicate name and RFC 8785 bodies proven by "
+        "comparison) + every check (leaf hashes, tree, signatures, witnesses, key chain, header); verify_s is the "
+        "faster of one_core_s and two_cores_s (verify_s_is says which); CPU = this process only; wall times "
+        "depend on the machine's load (load_average_1m)",
     }
 
 

@@ -17,9 +17,10 @@ from typing import Any
 import structlog
 from sqlalchemy import Connection, func, insert, select
 
-from . import db
+from . import db, layout
 from .errors import AuditError, RecordNotFound
 from .keys import Signer
+from .layout import EXPORT_FORMAT
 from .merkle import (
     CompactRange,
     ConsistencyProof,
@@ -38,7 +39,6 @@ __all__ = ["EXPORT_FORMAT", "PROOF_FORMAT", "AuditLog"]
 
 log = structlog.get_logger(__name__)
 
-EXPORT_FORMAT = "lethe-audit-export/1"
 PROOF_FORMAT = "lethe-erasure-proof/1"
 MAX_LIST = 1000
 
@@ -384,20 +384,16 @@ class AuditLog:
         cp = self.latest_checkpoint()
         if self.size > cp.size:
             cp = self.checkpoint()
-        head = {"format": EXPORT_FORMAT, "origin": self.origin, "size": cp.size, "keys": self.keys()}
-        yield json.dumps(head)[:-1] + ',\n"checkpoints": ['  # the head object, left open
+        header = {"format": EXPORT_FORMAT, "origin": self.origin, "size": cp.size, "keys": self.keys()}
         with self._engine.connect() as conn:  # one transaction: streamed with a server-side cursor
             c = db.checkpoints.c
             notes = conn.execute(select(c.note).where(c.size <= cp.size).order_by(c.size))
-            yield ",\n".join(json.dumps(row.note) for row in notes)
-            yield '],\n"records": [\n'
+            yield layout.head(header, (row.note for row in notes))
             rows = conn.execution_options(yield_per=2000).execute(
                 select(db.records.c.idx, db.records.c.entry, db.records.c.leaf_hash)
                 .where(db.records.c.idx < cp.size)
                 .order_by(db.records.c.idx)
             )
             for i, row in enumerate(rows):
-                yield ("" if i == 0 else ",\n") + (
-                    f'{{"index": {row.idx}, "leaf_hash": "{row.leaf_hash.hex()}", "body": {row.entry.decode()}}}'
-                )
-        yield "\n]}\n"
+                yield ((b"" if i == 0 else layout.RECORD_SEPARATOR) + layout.record(row.idx, row.leaf_hash.hex(), row.entry)).decode()
+        yield layout.TAIL.decode()

@@ -23,11 +23,16 @@ __all__ = ["DIVERGENCE", "ERASURE_KINDS", "MAX_DELTAS", "witness_errors"]
 
 ERASURE_KINDS = frozenset({"forget", "retention-forget"})
 MAX_DELTAS = ("max_abs_dk", "max_abs_dv", "max_abs_dlogits")  # K, V, logits: all three, always
+_MISSING = object()
 DIVERGENCE = ("kl_mean", "kl_max", "argmax_agreement", "max_abs_dlogits")  # kvkernel.witness.divergence()
 
 
 def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    return type(v) is int or (isinstance(v, int) and not isinstance(v, bool))  # the first test settles parsed JSON
+
+
+def _is_object(v: Any) -> bool:
+    return type(v) is dict or isinstance(v, Mapping)  # the first test settles parsed JSON (an ABC check costs more)
 
 
 def _is_number(v: Any) -> bool:
@@ -35,8 +40,10 @@ def _is_number(v: Any) -> bool:
 
 
 def _span(v: Any) -> tuple[int, int] | None:
-    if isinstance(v, (list, tuple)) and len(v) == 2 and all(map(_is_int, v)) and 0 <= v[0] <= v[1]:
-        return v[0], v[1]
+    if (type(v) is list or isinstance(v, tuple)) and len(v) == 2:
+        start, end = v
+        if (type(start) is int or _is_int(start)) and (type(end) is int or _is_int(end)) and 0 <= start <= end:
+            return start, end
     return None
 
 
@@ -44,11 +51,14 @@ def _spans(v: Any) -> list[tuple[int, int]] | None:
     """Sorted, non-overlapping, non-empty [start, end) spans, or None."""
     if not isinstance(v, (list, tuple)) or not v:
         return None
-    spans = [_span(s) for s in v]
-    if any(s is None or s[0] == s[1] for s in spans):
-        return None
-    ok = all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # type: ignore[index]
-    return spans if ok else None  # type: ignore[return-value]
+    spans, last = [], 0
+    for item in v:
+        span = _span(item)
+        if span is None or span[0] == span[1] or span[0] < last:
+            return None
+        spans.append(span)
+        last = span[1]
+    return spans
 
 
 def _erasure_errors(kind: str, w: Mapping[str, Any], body: Mapping[str, Any]) -> list[str]:
@@ -56,10 +66,11 @@ def _erasure_errors(kind: str, w: Mapping[str, Any], body: Mapping[str, Any]) ->
     if w.get("kind", "never-saw") != "never-saw":
         errors.append(f"witness kind {w.get('kind')!r} is not a never-saw witness")
     for name in MAX_DELTAS:
-        if name not in w:
+        delta = w.get(name, _MISSING)
+        if delta is _MISSING:
             errors.append(f"{name} missing: K, V and logits must all be measured")
-        elif not _is_number(w[name]) or w[name] != 0:
-            errors.append(f"{name} = {w[name]!r}, expected exactly 0")
+        elif delta != 0 or not _is_number(delta):
+            errors.append(f"{name} = {delta!r}, expected exactly 0")
     edited, reference = w.get("digest_edited"), w.get("digest_reference")
     if not isinstance(edited, str) or not edited:
         errors.append("digest_edited missing")
@@ -67,8 +78,11 @@ def _erasure_errors(kind: str, w: Mapping[str, Any], body: Mapping[str, Any]) ->
         errors.append(f"digest_edited {edited} != digest_reference {reference}")
     if w.get("equal") is not True:
         errors.append(f"equal = {w.get('equal')!r}, expected true")
-    errors += [f"{flag} = {w[flag]!r}, expected true" for flag in ("argmax_equal", "never_saw") if flag in w and w[flag] is not True]
-    if not (_is_int(w.get("tokens")) and w["tokens"] >= 0):
+    for flag in ("argmax_equal", "never_saw"):
+        if w.get(flag, True) is not True:
+            errors.append(f"{flag} = {w[flag]!r}, expected true")
+    tokens = w.get("tokens")
+    if not (_is_int(tokens) and tokens >= 0):
         errors.append("tokens (the surviving token count) must be a non-negative integer")
     spans = _spans(w.get("spans"))
     if spans is None:
@@ -79,10 +93,11 @@ def _erasure_errors(kind: str, w: Mapping[str, Any], body: Mapping[str, Any]) ->
         errors.append(f"a {kind} record names the span it erased")
     elif record_span[0] < record_span[1] and record_span not in spans:
         errors.append(f"span {list(record_span)} is not among the witness's spans {[list(s) for s in spans]} (a witness of another erasure)")
-    if record_span and _is_int(body.get("token_count")) and body["token_count"] != record_span[1] - record_span[0]:
-        errors.append(f"token_count {body['token_count']} does not match span {list(record_span)}")
-    if _is_int(w.get("tokens")) and spans[-1][1] > w["tokens"] + sum(b - a for a, b in spans):
-        errors.append(f"spans end at {spans[-1][1]}, past the {w['tokens']} surviving + erased tokens")
+    count = body.get("token_count")
+    if record_span and _is_int(count) and count != record_span[1] - record_span[0]:
+        errors.append(f"token_count {count} does not match span {list(record_span)}")
+    if _is_int(tokens) and spans[-1][1] > tokens + sum(b - a for a, b in spans):
+        errors.append(f"spans end at {spans[-1][1]}, past the {tokens} surviving + erased tokens")
     return errors
 
 
@@ -105,7 +120,7 @@ def witness_errors(body: Mapping[str, Any]) -> list[str]:
     """Why a record's witness does not support its kind; empty when it does (see the module docstring)."""
     kind, w = body.get("kind"), body.get("witness")
     if kind in ERASURE_KINDS or kind == "amortize":
-        if not isinstance(w, Mapping):
+        if not _is_object(w):
             return [f"a {kind} record needs the kernel's witness object"]
         return _erasure_errors(kind, w, body) if kind in ERASURE_KINDS else _amortize_errors(w, body)
     return [] if w is None else [f"a {kind} record carries no witness (only erasures and amortize do)"]

@@ -139,9 +139,10 @@ def test_untampered_export_verifies(export, filled, signer):
 def test_tampered_export_is_detected(export, filled, signer, tamper, expected):
     doc = copy.deepcopy(export)
     tamper(doc)
-    report = verify_export(doc, trusted_checkpoint=filled[1], public_key_pem=signer.public_key_pem)
+    report, two = (verify_export(doc, trusted_checkpoint=filled[1], public_key_pem=signer.public_key_pem, workers=w) for w in (1, 2))
     assert not report.ok
     assert any(e.startswith(expected) for e in report.errors), report.errors
+    assert (two.errors, two.checked, two.anchor) == (report.errors, report.checked, report.anchor)  # a forked half: the same words, in order
 
 
 def test_truncating_records_and_checkpoints_is_caught_by_the_trusted_checkpoint(export, filled, signer):
@@ -284,7 +285,8 @@ def test_a_forged_key_rotation_is_detected(sqlite_url, signer, record, tmp_path)
     key = doc["records"][r]["body"]["key"]
     key["new_public_key"], key["new_key_id"] = base64.b64encode(forger.verifier.raw).decode(), forger.key_id
     _rehash(doc["records"][r])
-    report = verify_export(doc, public_key_pem=signer.public_key_pem)
+    report, two = (verify_export(doc, public_key_pem=signer.public_key_pem, workers=w) for w in (1, 2))
     assert any(e.startswith(f"record {r}: key rotation: hand-over is not signed by the old key") for e in report.errors)
     assert any(e.startswith(f"checkpoint {doc['size']}: signature") for e in report.errors)  # the new key never took over
+    assert (two.errors, two.checked) == (report.errors, report.checked)  # two processes: the same words, in order
     log.close()

@@ -74,4 +74,5 @@ def test_the_audit_bench_verifies_an_honest_export_and_reports_its_time(tmp_path
                                       "--sqlite-path", str(tmp_path / "bench.db")])
     assert result.exit_code == 0, result.output
     verify = json.loads(result.output.strip().splitlines()[-1])["verify"]
-    assert verify["records"] == 200 and verify["checkpoints"] == 200 // 64 + 1 and verify["verify_s"] > 0
+    assert verify["records"] == 200 and verify["checkpoints"] == 200 // 64 + 1 and verify["one_core_s"] > 0
+    assert verify["verify_s"] == min(s for s in (verify["one_core_s"], verify["two_cores_s"]) if s)
