@@ -19,7 +19,8 @@ from policies import PolicyEngine
 from .chat import stub_text
 from .errors import GatewayError, busy, fails_as, not_found
 from .metrics import Metrics
-from .sessions import LiveSession, Sessions
+from .residency import Residency
+from .sessions import LiveSession, PrefixCache, Sessions
 from .tenants import Principal
 from .turn import Action, PostTurn, Turn
 
@@ -66,8 +67,10 @@ def stub_reason_of(seg: Segment) -> str:
 
 class Erasure:
     def __init__(self, *, sessions: Sessions, ledger: Ledger, audit: AuditLog, policy: PolicyEngine,
-                 metrics: Metrics, compute: Any, witness_mode: str, lock_timeout_s: float) -> None:
+                 metrics: Metrics, compute: Any, witness_mode: str, lock_timeout_s: float,
+                 residency: Residency) -> None:
         self.sessions = sessions
+        self.residency = residency
         self.ledger = ledger
         self.audit = audit
         self.policy = policy
@@ -94,8 +97,13 @@ class Erasure:
     # ---- exact forget -------------------------------------------------------------------------
 
     def forget(self, live: LiveSession, segments: list[Segment], *, kind: str, actor: str,
-               decisions: dict[str, Action] | None = None) -> dict[str, Any]:
-        """Exact erasure of whole segments: kernel, then ledger, then one audit record per segment."""
+               decisions: dict[str, Action] | None = None, copies: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Exact erasure of whole segments: kernel, then ledger, then one audit record per segment.
+
+        `copies`: what `Residency.admit` did to the session's other copies first (an offloaded copy
+        is restored, verified and erased, so the forget runs on the one copy left); the records
+        name every copy touched, the resident cache and any prefix-cache entry included."""
+        copies = {**(copies or {}), **self._prefix_copies(live, segments)}
         spans = sorted((s.start, s.end) for s in segments if s.n_tokens > 0)
         if spans and not len(live.cache):  # not resident (a restart): the next rebuild skips them anyway
             if kind == "forget":  # but a forget record carries the kernel's never-saw witness
@@ -119,9 +127,11 @@ class Erasure:
         self.metrics.erasures.labels(kind).inc(len(segments))
         self.metrics.erasure_seconds.observe(elapsed)
         witness = result.witness.to_dict() if result is not None and result.witness is not None else None
-        records = [self._erasure_record(stored_kind(kind, s), live.record, s, actor,
-                                        None if s.state is SegmentState.SUPERSEDED else witness,
-                                        (decisions or {}).get(s.id)) for s in segments]
+        if spans:
+            copies["resident"] = {"action": "forgotten-exact", "tokens_after": len(live.cache)}
+        records = [{**self._erasure_record(stored_kind(kind, s), live.record, s, actor,
+                                           None if s.state is SegmentState.SUPERSEDED else witness,
+                                           (decisions or {}).get(s.id)), "copies": copies} for s in segments]
         if result is not None and result.pending is not None:
             result.pending.add_done_callback(lambda fut: self._append_deferred(records, fut))
             indices: list[int | None] = [None] * len(records)
@@ -131,6 +141,16 @@ class Erasure:
                  spans=spans, ms=round(elapsed * 1e3, 1), equal=witness.get("equal") if witness else None)
         return {"kind": kind, "segments": [s.id for s in segments], "spans": [list(s) for s in spans],
                 "audit_indices": indices, "witness": witness, "latency_ms": round(elapsed * 1e3, 3)}
+
+    def _prefix_copies(self, live: LiveSession, segments: list[Segment]) -> dict[str, Any]:
+        """A forgotten system prompt also leaves the salted prefix cache it seeded."""
+        first = [s for s in segments if s.start == 0 and s.n_tokens > 0 and s.state.in_cache]
+        if not first or len(live.cache) < first[0].end:
+            return {}
+        key = PrefixCache.key(live.record.salt_scope or "", tuple(live.cache.tokens[:first[0].end]))
+        if not self.sessions.prefixes.discard(key):
+            return {}
+        return {"prefix": {"key_sha256": key, "action": "zeroed"}}
 
     def _erasure_record(self, kind: str, record: SessionRecord, seg: Segment, actor: str,
                         witness: dict[str, Any] | None, action: Action | None) -> dict[str, Any]:
@@ -146,7 +166,7 @@ class Erasure:
             self.audit.checkpoint()
             return indices
         except Exception as exc:
-            log.error("audit.append_failed", error=type(exc).__name__, segments=[r["segment_id"] for r in records])
+            log.error("audit.append_failed", error=type(exc).__name__, segments=[r.get("segment_id") for r in records])
             raise GatewayError(503, "audit_failed",
                                "the span was erased, but its audit record could not be written "
                                f"({type(exc).__name__}); check the audit database and retry the erasure call",
@@ -186,7 +206,12 @@ class Erasure:
         if not decision.allowed:
             raise GatewayError(403, "erasure_denied", "erasure denied by policy: " + "; ".join(decision.reasons))
         with self.sessions.resident(record).hold(self.lock_timeout_s) as live:
-            result = self.forget(live, self._select(session_id, selector), kind="forget", actor=actor_of(principal))
+            try:
+                copies = self.residency.admit(live)
+                result = self.forget(live, self._select(session_id, selector), kind="forget",
+                                     actor=actor_of(principal), copies=copies)
+            finally:
+                self.residency.settle(live)
         with fails_as("audit"):
             indices = [i for i in result["audit_indices"] if i is not None]
             proofs = [self.audit.inclusion_proof(i).to_dict() for i in indices]
@@ -285,7 +310,9 @@ class Erasure:
             current = {s.id: s for s in self.ledger.segments(record.id)}
             fresh = [current[s.id] for s in live_segments if current[s.id].state not in DEAD]
             if fresh:
-                self.forget(live, fresh, kind="retention-forget", actor="retention")
+                copies = self.residency.admit(live)
+                self.forget(live, fresh, kind="retention-forget", actor="retention", copies=copies)
+                self.residency.settle(live)
         finally:
             live.lock.release()
         return len(quarantined) + len(live_segments)

@@ -36,6 +36,7 @@ from .chat import Conversation, RenderedMessage
 from .errors import GatewayError, fails_as
 from .erasure import DEAD, Erasure, actor_of, audit_body, stub_reason_of
 from .metrics import Metrics
+from .residency import Residency
 from .screen import Screened, apply_redact, refuse_withheld
 from .sessions import LiveSession, PrefixCache
 from .tenants import Principal
@@ -48,6 +49,9 @@ log = structlog.get_logger(__name__)
 # abandoned by its client stops within one piece instead of running to its end. Pieces give the
 # same bits as one call (the kernel's canonical forward is chunking-invariant).
 PREFILL_PIECE = 512
+# Tokens a stub or a redaction may take beyond its message's own (the KV reservation's margin):
+# a quarantine stub replaces a short tool result with a longer sentence.
+STUB_ROOM = 64
 
 
 class Stopwatch:
@@ -180,6 +184,7 @@ class PipelineParts:
     compute: Any  # runs a kernel call under the model lock
     max_tool_result_bytes: int
     check_invariants: bool
+    residency: Residency
 
 
 class Pipeline:
@@ -198,7 +203,8 @@ class Pipeline:
         `tool_spec`: message 0 carries the request's tool definitions."""
         live = turn.live
         turn.keep, expected = self._match(live, conv)
-        self._validate(conv, turn.keep, len(expected), max_new_tokens, offset)
+        most = self._validate(conv, turn.keep, len(expected), max_new_tokens, offset)
+        self.p.residency.reserve(live, most)
         with fails_as("kernel"):
             self._sync_cache(live, expected, turn.abandoned)
         self._admit(turn, principal, conv, offset, tool_spec)
@@ -239,9 +245,11 @@ class Pipeline:
         return conv.chunk(k)
 
     def _validate(self, conv: Conversation, first: int, matched_tokens: int, max_new_tokens: int,
-                  offset: int) -> None:
+                  offset: int) -> int:
         """Tool-result size and the context window, counting every new message in full (a
-        quarantined result would take less: the check errs on the safe side)."""
+        quarantined result would take less: the check errs on the safe side). Returns the most
+        tokens the cache can hold during the turn, what the KV budget reserves: every new message
+        in full or as its stub (STUB_ROOM), the prompt and max_tokens."""
         new_tokens = 0
         for k in range(first, len(conv.messages)):
             m = conv.message(k)
@@ -259,6 +267,8 @@ class Pipeline:
                                f"prompt {prompt} + max_tokens {max_new_tokens}) but the context window is "
                                f"{self.p.model.max_context}; lower max_tokens, forget segments or start a new session",
                                param="max_tokens")
+        stubs = STUB_ROOM * (len(conv.messages) - first)
+        return min(total + stubs, self.p.model.max_context)
 
     def _sync_cache(self, live: LiveSession, expected: list[int],
                     abandoned: Callable[[], bool] = lambda: False) -> None:
@@ -376,6 +386,8 @@ class Pipeline:
         key = PrefixCache.key(live.record.salt_scope or "", system)
         cached = self.p.prefixes.get(key)
         if cached is not None:
+            cached.reserve(live.cache.capacity)  # the room the turn reserved moves with it
+            live.cache.wipe()
             live.cache = cached
         else:
             self._compute(live.cache.extend, system)
@@ -534,7 +546,8 @@ class Pipeline:
             self._sync_cache(live, turn.before)
         except Exception as exc:  # an empty cache is always consistent: the next turn rebuilds it
             log.error("turn.cache_reset", session=turn.session_id, error=f"{type(exc).__name__}: {exc}")
-            live.cache = self.p.kernel.new_cache()
+            live.cache.wipe()
+            live.cache = self.p.kernel.new_cache(0)
 
     def post_turn(self, turn: Turn) -> list[dict[str, Any]]:
         erasures = self.p.erasure.post_turn(turn)

@@ -214,6 +214,11 @@ class KVCache:
         )
 
     @property
+    def capacity(self) -> int:
+        """Rows the buffer has room for (at least the length)."""
+        return int(self._kv.shape[3])
+
+    @property
     def nbytes(self) -> int:
         """Bytes of tensor memory this cache holds now: the K/V/raw-K buffer at its capacity, the
         logits and a pending stage's saved logits. What a memory budget must count."""
