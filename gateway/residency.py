@@ -61,14 +61,18 @@ class Residency:
         self.offload = offload
         self._offload_min = offload_min_priority
         self._retry_after = retry_after_s
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self.peak = 0  # the most bytes ever accounted at once (the bench reports it)
 
     # ---- accounting ----------------------------------------------------------------------------
 
     def used(self) -> int:
-        """Bytes held or reserved now: each session's max(held, reserved), plus the prefix caches."""
-        return sum(max(s.cache.nbytes, s.reserved) for s in self._sessions.all()) + self._sessions.prefixes.nbytes
+        """Bytes held or reserved now: each session's max(held, reserved), plus the prefix caches.
+
+        Under the budget's lock, so that the sum is one consistent moment (an eviction and the
+        reservation it made room for are never both counted, nor both missed)."""
+        with self._lock:
+            return sum(max(s.cache.nbytes, s.reserved) for s in self._sessions.all()) + self._sessions.prefixes.nbytes
 
     def fits(self, nbytes: int) -> bool:
         """Whether `nbytes` more fit without evicting anyone (for what only saves compute)."""
