@@ -28,7 +28,7 @@ from kvkernel import Kernel
 from ledger import Ledger, Segment, SegmentState
 from policies import PolicyEngine
 
-from .errors import GatewayError, fails_as
+from .errors import GatewayError, busy, fails_as
 from .metrics import Metrics
 from .offload import Offload, OffloadCopy
 from .sessions import LiveSession, Priority, Sessions
@@ -90,6 +90,8 @@ class Residency:
     def admit(self, live: LiveSession) -> dict[str, Any]:
         """At turn start (session lock held): bring an offloaded cache back if it is still the
         ledger's, or wipe a resident one the ledger has moved past. Returns the copies touched."""
+        if not self._sessions.adopt(live):  # ended (DELETE) while this request waited, then re-opened
+            raise busy(f"session {live.record.id}", 0)
         with fails_as("ledger"):
             mark = ledger_mark(self._ledger.segments(live.record.id))
         touched: dict[str, Any] = {}
@@ -99,7 +101,7 @@ class Residency:
                                   "action": self._restore(live, copy, mark)}
         elif len(live.cache) and live.ledger_mark != mark:
             log.warning("kv.stale_resident", session=live.record.id, tokens=len(live.cache))
-            self._drop(live)
+            self.drop(live)
             touched["resident"] = "wiped-stale"
         live.ledger_mark = mark if len(live.cache) else None
         return touched
@@ -137,7 +139,7 @@ class Residency:
         if copy is not None:
             touched["offload"] = {"sha256": copy.sha256, "tier": self.offload.tier.name,  # type: ignore[union-attr]
                                   "action": "erased"}
-        self._drop(live)
+        self.drop(live)
         self._sessions.remove(live.record.id)
         with self._lock:
             self._publish()
@@ -204,9 +206,9 @@ class Residency:
         log.info("kv.evicted", session=victim.record.id, tokens=len(victim.cache), bytes=victim.cache.nbytes,
                  priority=round(priority, 2), to=where)
         self._metrics.kv_evictions.labels(where).inc()
-        self._drop(victim)
+        self.drop(victim)
 
-    def _drop(self, live: LiveSession) -> None:
+    def drop(self, live: LiveSession) -> None:
         """Zero the cache's memory and leave an empty one that holds nothing."""
         live.cache.wipe()
         live.cache = self._kernel.new_cache(0)
@@ -230,7 +232,7 @@ class Residency:
             except ValueError as exc:
                 log.warning("kv.restore_refused", session=live.record.id, reason=str(exc))
                 return "erased-invalid"
-            self._drop(live)
+            self.drop(live)
             live.cache = restored
             result = "hit"
             return "restored-erased"

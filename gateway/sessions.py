@@ -234,6 +234,12 @@ class Sessions:
         with self._lock:
             return list(self._resident.values())
 
+    def adopt(self, live: LiveSession) -> bool:
+        """Register `live` again if its session was ended meanwhile; False when another object
+        now stands for the session (the caller must not use this one)."""
+        with self._lock:
+            return self._resident.setdefault(live.record.id, live) is live
+
     def remove(self, session_id: str) -> None:
         with self._lock:
             self._resident.pop(session_id, None)
