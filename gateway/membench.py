@@ -186,7 +186,7 @@ def run_memory_bench(settings: Settings, *, sessions: int = 200, turns: int = 4,
                      retries: int = 20, sample: int = 16, long_tokens: int = 2000, reps: int = 3) -> dict[str, Any]:
     from .demo import local_gateway
 
-    with local_gateway(settings) as lg:
+    with local_gateway(settings, port=settings.port) as lg:  # LETHE_PORT: the bench listens there
         gw: Gateway = lg.app.state.lethe.gateway
         per_session = _session_bytes(gw, lg.base, lg.key, turns, rows, max_tokens)
         need = per_session * sessions

@@ -9,6 +9,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 from gateway.config import Settings
@@ -61,23 +62,37 @@ def tool_segment(gw: Gateway, sid: str) -> tuple[int, int]:
     return seg.start, seg.end
 
 
-def needles(gw: Gateway, sid: str, span: tuple[int, int]) -> list[bytes]:
+def needles(gw: Gateway, sid: str, span: tuple[int, int]) -> dict[bytes, str]:
     """The span's rotated-K and V rows, one needle per (layer >= 1, head, position): a layer-0 row
     depends on its token alone and may legitimately recur wherever that token does."""
     cache = gw.cache(sid)
     a, b = span
-    out = []
+    out = {}
     for layer in range(1, cache.memory().layers):
         k, v, _raw = cache.layer_kv(layer)
-        for plane in (k, v):
-            out += [plane[h, p].numpy().tobytes() for h in range(plane.shape[0]) for p in range(a + 2, b)]
+        for name, plane in (("K", k), ("V", v)):
+            for h in range(plane.shape[0]):
+                for p in range(a + 2, b):
+                    out[plane[h, p].numpy().tobytes()] = f"{name} layer {layer} head {h} position {p}"
     return out
 
 
-def found(directory: Path, wanted: list[bytes]) -> int:
-    """How many needles occur anywhere in any file (copies and tmp files) of the directory."""
-    blobs = [p.read_bytes() for p in directory.rglob("*") if p.is_file()]
-    return sum(1 for n in wanted if any(n in blob for blob in blobs))
+def found(directory: Path, wanted: dict[bytes, str]) -> list[str]:
+    """Which needles occur at any byte offset of any file (copies and tmp files) in the directory:
+    every offset's first 8 bytes are matched against the needles' (numpy), candidates compared in full."""
+    first: dict[bytes, list[bytes]] = {}
+    for n in wanted:
+        first.setdefault(n[:8], []).append(n)
+    keys = np.frombuffer(b"".join(first), dtype="<u8")
+    hits = []
+    for path in (p for p in directory.rglob("*") if p.is_file()):
+        blob = path.read_bytes()
+        for shift in range(8):
+            words = np.frombuffer(blob[shift:len(blob) - (len(blob) - shift) % 8], dtype="<u8")
+            for at in np.nonzero(np.isin(words, keys))[0]:
+                offset = shift + 8 * int(at)
+                hits += [wanted[n] for n in first[blob[offset:offset + 8]] if blob[offset:offset + len(n)] == n]
+    return hits
 
 
 def evict(http: httpx.Client, gw: Gateway, sid: str, tag: str) -> None:
@@ -140,17 +155,17 @@ def test_forget_of_an_offloaded_session_leaves_no_span_bytes_in_any_copy(kv):
     span = tool_segment(gw, sid)
     wanted = needles(gw, sid, span)
     evict(http, gw, sid, "f")
-    assert found(directory, wanted) == len(wanted)  # the scan finds them while the copy holds them
+    assert set(found(directory, wanted)) == set(wanted.values())  # the scan finds them while the copy holds them
     seg_id = [s for s in gw.p.ledger.segments(sid) if s.role == "tool"][-1].id
     response = http.post(f"/v1/sessions/{sid}/forget", json={"segment_id": seg_id})
     assert response.status_code == 200, response.text
     copies = response.json()["records"][0]["body"]["copies"]
     assert copies["offload"]["action"] == "restored-erased" and copies["resident"]["action"] == "forgotten-exact"
     assert response.json()["witness"]["equal"] is True
-    assert found(directory, wanted) == 0
+    assert found(directory, wanted) == []
     evict(http, gw, sid, "g")  # offloaded again, as it is after the forget
     assert gw.residency.offload.copy_of(sid).tokens == span[0]
-    assert found(directory, wanted) == 0
+    assert found(directory, wanted) == []
 
 
 def test_retention_expiry_of_an_offloaded_session_leaves_no_span_bytes(kv):
@@ -159,9 +174,9 @@ def test_retention_expiry_of_an_offloaded_session_leaves_no_span_bytes(kv):
     span = tool_segment(gw, sid)
     wanted = needles(gw, sid, span)
     evict(http, gw, sid, "r")
-    assert found(directory, wanted) == len(wanted)
+    assert set(found(directory, wanted)) == set(wanted.values())
     assert gw.sweep_retention(now=datetime.now(timezone.utc) + timedelta(seconds=601)) >= 1
-    assert found(directory, wanted) == 0
+    assert found(directory, wanted) == []
     records = http.get("/v1/audit/records", params={"session": sid, "kind": "retention-forget"}).json()["records"]
     assert records[0]["body"]["copies"]["offload"]["action"] == "restored-erased"
 
@@ -172,11 +187,11 @@ def test_ending_an_offloaded_session_erases_its_copy(kv):
     wanted = needles(gw, sid, tool_segment(gw, sid))
     evict(http, gw, sid, "d")
     copy = gw.residency.offload.copy_of(sid)
-    assert found(directory, wanted) == len(wanted)
+    assert set(found(directory, wanted)) == set(wanted.values())
     response = http.delete(f"/v1/sessions/{sid}")
     assert response.status_code == 200, response.text
     assert response.json()["copies"]["offload"] == {"sha256": copy.sha256, "tier": "disk", "action": "erased"}
-    assert found(directory, wanted) == 0 and not (directory / copy.key).exists()
+    assert found(directory, wanted) == [] and not (directory / copy.key).exists()
     record = http.get("/v1/audit/records", params={"session": sid, "kind": "kv-release"}).json()["records"][0]
     assert record["body"]["copies"]["offload"]["sha256"] == copy.sha256
     assert gw.sessions.get(sid) is None
