@@ -72,9 +72,11 @@ def encode(cache: KVCache, session_id: str, ledger_mark: str) -> tuple[bytearray
     payload = bytearray(sum(t.numel() * t.element_size() for t in parts))
     at = 0
     for t in parts:
-        flat = t.contiguous().view(torch.uint8).reshape(-1)
+        host = t.contiguous().cpu()  # a copy when the kernel runs on CUDA
+        flat = host.view(torch.uint8).reshape(-1)
         payload[at:at + flat.numel()] = flat.numpy().data
         at += flat.numel()
+        host.zero_()
         t.zero_()
     header = {"session": session_id, "tokens": tokens, "shape": list(rows.shape), "dtype": str(rows.dtype),
               "digest": cache.digest(), "ledger_mark": ledger_mark,
