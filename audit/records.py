@@ -41,12 +41,12 @@ __all__ = [
 # content-erase deletes the stored bytes of a segment no longer in any cache (superseded by a history
 # rewrite): no kernel work, no witness.
 KINDS = frozenset({"forget", "quarantine", "amortize", "retention-forget", "retention-retire", "policy-bundle",
-                   "key-rotation", "redact", "mcp-call", "mcp-result", "content-erase"})
+                   "key-rotation", "redact", "mcp-call", "mcp-result", "content-erase", "kv-release"})
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _TIME = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{6}Z")
 _STR_FIELDS = ("tenant", "session", "segment_id", "actor")
-_DICT_FIELDS = ("gate", "witness", "key")
+_DICT_FIELDS = ("gate", "witness", "key", "copies")
 ROTATION_FIELDS = ("origin", "old_key_id", "old_key_name", "new_key_id", "new_key_name", "new_public_key")
 
 

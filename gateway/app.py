@@ -158,6 +158,10 @@ def create_app(settings: Settings | None = None, *, model: Model | None = None) 
     def session(p: Principal = Depends(principal), session_id: str = SessionId) -> dict[str, Any]:
         return state.require_gateway().inspect(p, session_id)
 
+    @app.delete("/v1/sessions/{session_id}")
+    def end_session(p: Principal = Depends(principal), session_id: str = SessionId) -> dict[str, Any]:
+        return state.require_gateway().end_session(p, session_id)
+
     @app.get("/v1/sessions/{session_id}/segments")
     def segments(p: Principal = Depends(principal), session_id: str = SessionId) -> dict[str, Any]:
         record = state.require_gateway().scoped_session(p, session_id)

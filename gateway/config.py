@@ -83,6 +83,16 @@ class Settings(BaseSettings):
     max_tool_result_bytes: int = 256_000
     max_inflight: int = 32
     retention_sweep_s: float = 30.0
+    kv_budget_bytes: int | None = Field(default=None, gt=0,
+                                        description="KV memory for every session's cache, staged rows and prefix "
+                                        "caches; default kv_budget_share of MemAvailable (CPU) or free GPU memory")
+    kv_budget_share: float = Field(default=0.4, gt=0, le=0.9, description="the default budget's share of memory")
+    kv_offload_bytes: int | None = Field(default=None, ge=0,
+                                         description="the offload tier's bound (disk under data_dir/kv-offload on CPU, "
+                                         "host memory on CUDA); default 2 x the budget; 0 disables offload")
+    kv_offload_min_priority: int | None = Field(default=None, ge=0, le=101,
+                                                description="evicted sessions at or above it are offloaded, below it "
+                                                "dropped; default: Rego's kv_priority.offload_min_priority")
     lock_timeout_s: float = Field(default=15.0, gt=0,
                                   description="wait for a busy session at most this long, then 503 + Retry-After")
     shutdown_grace_s: float = Field(default=10.0, gt=0,

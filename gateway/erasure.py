@@ -28,7 +28,8 @@ from policies import PolicyEngine
 from .chat import ChatMessage, Conversation, stub_text
 from .errors import GatewayError, busy, fails_as, not_found
 from .metrics import Metrics
-from .sessions import LiveSession, Sessions
+from .residency import Residency
+from .sessions import LiveSession, PrefixCache, Sessions
 from .tenants import Principal
 from .turn import PostTurn, Staged, Turn
 
@@ -104,9 +105,11 @@ def intent_keys(intent: Intent, names: Sequence[str]) -> list[str]:
 
 class Erasure:
     def __init__(self, *, sessions: Sessions, ledger: Ledger, audit: AuditLog, policy: PolicyEngine,
-                 metrics: Metrics, compute: Any, witness_mode: str, lock_timeout_s: float, tokenizer: Any) -> None:
+                 metrics: Metrics, compute: Any, witness_mode: str, lock_timeout_s: float, tokenizer: Any,
+                 residency: Residency) -> None:
         self.tokenizer = tokenizer  # to rebuild a cache from the ledger (`_rebuild`)
         self.sessions = sessions
+        self.residency = residency
         self.ledger = ledger
         self.audit = audit
         self.policy = policy
@@ -209,9 +212,15 @@ class Erasure:
     # ---- exact forget -------------------------------------------------------------------------
 
     def forget(self, live: LiveSession, segments: list[Segment], *, kind: str, actor: str,
-               decisions: dict[str, dict[str, Any]] | None = None, intent: Intent | None = None) -> dict[str, Any]:
+               decisions: dict[str, dict[str, Any]] | None = None, intent: Intent | None = None,
+               copies: dict[str, Any] | None = None) -> dict[str, Any]:
         """Exact erasure of whole segments: kernel, then ledger, then one audit record per segment
-        (keyed, and the intent dropped after, when it is owed by a turn)."""
+        (keyed, and the intent dropped after, when it is owed by a turn).
+
+        `copies`: what `Residency.admit` did to the session's other copies first (an offloaded copy
+        is restored, verified and erased, so the forget runs on the one copy left); the records
+        name every copy touched, the resident cache and any prefix-cache entry included."""
+        copies = {**(copies or {}), **self._prefix_copies(live, segments)}
         spans = sorted((s.start, s.end) for s in segments if s.n_tokens > 0)
         if spans and not len(live.cache):  # not resident (a restart): the next rebuild skips them anyway
             if kind == "forget":  # but a forget record carries the kernel's never-saw witness
@@ -235,9 +244,11 @@ class Erasure:
         self.metrics.erasures.labels(kind).inc(len(segments))
         self.metrics.erasure_seconds.observe(elapsed)
         witness = result.witness.to_dict() if result is not None and result.witness is not None else None
-        records = [self._erasure_record(stored_kind(kind, s), live.record, s, actor,
-                                        None if s.state in DEAD else witness,
-                                        (decisions or {}).get(s.id)) for s in segments]
+        if spans:
+            copies["resident"] = {"action": "forgotten-exact", "tokens_after": len(live.cache)}
+        records = [{**self._erasure_record(stored_kind(kind, s), live.record, s, actor,
+                                           None if s.state in DEAD else witness,
+                                           (decisions or {}).get(s.id)), "copies": copies} for s in segments]
         keys = intent_keys(intent, [s.id for s in segments]) if intent is not None else None
         if result is not None and result.pending is not None:
             result.pending.add_done_callback(lambda fut: self._append_deferred(records, keys, intent, fut))
@@ -250,6 +261,16 @@ class Erasure:
                  spans=spans, ms=round(elapsed * 1e3, 1), equal=witness.get("equal") if witness else None)
         return {"kind": kind, "segments": [s.id for s in segments], "spans": [list(s) for s in spans],
                 "audit_indices": indices, "witness": witness, "latency_ms": round(elapsed * 1e3, 3)}
+
+    def _prefix_copies(self, live: LiveSession, segments: list[Segment]) -> dict[str, Any]:
+        """A forgotten system prompt also leaves the salted prefix cache it seeded."""
+        first = [s for s in segments if s.start == 0 and s.n_tokens > 0 and s.state.in_cache]
+        if not first or len(live.cache) < first[0].end:
+            return {}
+        key = PrefixCache.key(live.record.salt_scope or "", tuple(live.cache.tokens[:first[0].end]))
+        if not self.sessions.prefixes.discard(key):
+            return {}
+        return {"prefix": {"key_sha256": key, "action": "zeroed"}}
 
     def _erasure_record(self, kind: str, record: SessionRecord, seg: Segment, actor: str,
                         witness: dict[str, Any] | None, decision: dict[str, Any] | None) -> dict[str, Any]:
@@ -265,7 +286,7 @@ class Erasure:
             self.audit.checkpoint()
             return indices
         except Exception as exc:
-            log.error("audit.append_failed", error=type(exc).__name__, segments=[r["segment_id"] for r in records])
+            log.error("audit.append_failed", error=type(exc).__name__, segments=[r.get("segment_id") for r in records])
             raise GatewayError(503, "audit_failed",
                                "the span was erased, but its audit record could not be written "
                                f"({type(exc).__name__}); check the audit database and retry the erasure call",
@@ -309,7 +330,12 @@ class Erasure:
         if not decision.allowed:
             raise GatewayError(403, "erasure_denied", "erasure denied by policy: " + "; ".join(decision.reasons))
         with self.sessions.resident(record).hold(self.lock_timeout_s) as live:
-            result = self.forget(live, self._select(session_id, selector), kind="forget", actor=actor_of(principal))
+            try:
+                copies = self.residency.admit(live)
+                result = self.forget(live, self._select(session_id, selector), kind="forget",
+                                     actor=actor_of(principal), copies=copies)
+            finally:
+                self.residency.settle(live)
         with fails_as("audit"):
             indices = [i for i in result["audit_indices"] if i is not None]
             proofs = [self.audit.inclusion_proof(i).to_dict() for i in indices]
@@ -408,7 +434,9 @@ class Erasure:
             current = {s.id: s for s in self.ledger.segments(record.id)}
             fresh = [current[s.id] for s in live_segments if current[s.id].state not in DEAD]
             if fresh:
-                self.forget(live, fresh, kind="retention-forget", actor="retention")
+                copies = self.residency.admit(live)
+                self.forget(live, fresh, kind="retention-forget", actor="retention", copies=copies)
+                self.residency.settle(live)
         finally:
             live.lock.release()
         return len(quarantined) + len(live_segments)

@@ -65,11 +65,11 @@ def _one_session(base: str, key: str, n: int, turns: int, max_tokens: int) -> Se
             messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"] or ""})
         run.sent = messages[:-1]  # the last reply reaches the ledger only with a next turn
         segments = http.get(f"/v1/sessions/{run.session_id}/segments").json()["segments"]
-    run.ledger_ok, run.problem = _ledger_matches(segments, run.sent)
+    run.ledger_ok, run.problem = ledger_matches(segments, run.sent)
     return run
 
 
-def _ledger_matches(segments: list[dict[str, Any]], sent: list[dict[str, Any]]) -> tuple[bool, str]:
+def ledger_matches(segments: list[dict[str, Any]], sent: list[dict[str, Any]]) -> tuple[bool, str]:
     live = [s for s in segments if s["state"] != "superseded"]
     if len(live) != len(sent):
         return False, f"ledger has {len(live)} segments for {len(sent)} messages"

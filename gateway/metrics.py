@@ -26,4 +26,17 @@ class Metrics:
         self.tokens = Counter("lethe_tokens_total", "Tokens processed", ["phase"], registry=r)
         self.tokens_per_second = Gauge("lethe_decode_tokens_per_second", "Last decode speed", registry=r)
         self.kv_bytes = Gauge("lethe_kv_bytes", "KV cache bytes held across sessions", registry=r)
+        self.kv_resident_bytes = Gauge("lethe_kv_resident_bytes", "KV bytes held or reserved in memory (sessions, "
+                                       "staged rows, prefix caches): what LETHE_KV_BUDGET_BYTES bounds", registry=r)
+        self.kv_offloaded_bytes = Gauge("lethe_kv_offloaded_bytes", "Bytes of evicted sessions' KV in the offload tier",
+                                        registry=r)
+        self.kv_evictions = Counter("lethe_kv_evictions_total", "Sessions evicted from memory, by where they went",
+                                    ["to"], registry=r)
+        self.kv_offloads = Counter("lethe_kv_offloads_total", "Evicted sessions written to the offload tier",
+                                   registry=r)
+        self.kv_restores = Counter("lethe_kv_restores_total", "Offloaded sessions on their next turn: restored "
+                                   "exactly (hit) or discarded and rebuilt from the ledger", ["result"], registry=r)
+        self.kv_restore_seconds = Histogram("lethe_kv_restore_seconds", "Time to read, verify and restore an "
+                                            "offloaded session", registry=r,
+                                            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
         self.injection_scorer = Info("lethe_injection_scorer", "What scores tool results for injection", registry=r)

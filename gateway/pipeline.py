@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
+from pathlib import Path
 
 import structlog
 
@@ -37,6 +38,7 @@ from .chat import Conversation, RenderedMessage
 from .errors import GatewayError, fails_as
 from .erasure import Erasure, actor_of, audit_body, segment_tokens, turn_intents
 from .metrics import Metrics
+from .residency import Residency
 from .screen import Screened, apply_redact, refuse_withheld
 from .sessions import Compute, LiveSession, PrefixCache
 from .tenants import Principal
@@ -49,6 +51,9 @@ log = structlog.get_logger(__name__)
 # abandoned by its client stops within one piece instead of running to its end. Pieces give the
 # same bits as one call (the kernel's canonical forward is chunking-invariant).
 PREFILL_PIECE = 512
+# Tokens a stub or a redaction may take beyond its message's own (the KV reservation's margin):
+# a quarantine stub replaces a short tool result with a longer sentence.
+STUB_ROOM = 64
 
 
 class Stopwatch:
@@ -197,6 +202,11 @@ class Components:
     max_tool_result_bytes: int = 256_000
     lock_timeout_s: float = 15.0
     check_invariants: bool = False  # debug and test builds: the ledger must tile the cache exactly
+    kv_budget_bytes: int | None = None  # None: kv_budget_share of the memory free at start-up
+    kv_budget_share: float = 0.4
+    kv_offload_bytes: int | None = None  # None: twice the budget; 0: no offload tier
+    kv_offload_min_priority: int | None = None  # None: Rego's kv_priority.offload_min_priority
+    offload_dir: Path | None = None  # the disk tier on CPU (data_dir/kv-offload); None: no disk tier
     hold_at: str | None = None  # tests only: a turn waits at this point (`hold_point`) until it is abandoned
 
     def hold_point(self, name: str, abandoned: Callable[[], bool]) -> None:
@@ -212,11 +222,13 @@ class Components:
 class Pipeline:
     """Prepares a turn (everything up to generation) and implements `TurnOps` for its end."""
 
-    def __init__(self, parts: Components, *, prefixes: PrefixCache, erasure: Erasure, compute: Compute) -> None:
+    def __init__(self, parts: Components, *, prefixes: PrefixCache, erasure: Erasure, compute: Compute,
+                 residency: Residency) -> None:
         self.p = parts
         self.prefixes = prefixes
         self.erasure = erasure
         self._compute = compute
+        self.residency = residency
 
     # ---- prepare: the pipeline, in order ------------------------------------------------------
 
@@ -227,7 +239,8 @@ class Pipeline:
         `tool_spec`: message 0 carries the request's tool definitions."""
         live = turn.live
         turn.keep, expected = self._match(live, conv)
-        self._validate(conv, turn.keep, len(expected), max_new_tokens, offset)
+        most = self._validate(conv, turn.keep, len(expected), max_new_tokens, offset)
+        self.residency.reserve(live, most)
         with fails_as("kernel"):
             self._sync_cache(live, expected, turn.abandoned)
         self._admit(turn, principal, conv, offset, tool_spec)
@@ -259,9 +272,11 @@ class Pipeline:
         return k, expected
 
     def _validate(self, conv: Conversation, first: int, matched_tokens: int, max_new_tokens: int,
-                  offset: int) -> None:
+                  offset: int) -> int:
         """Tool-result size and the context window, counting every new message in full (a
-        quarantined result would take less: the check errs on the safe side)."""
+        quarantined result would take less: the check errs on the safe side). Returns the most
+        tokens the cache can hold during the turn, what the KV budget reserves: every new message
+        in full or as its stub (STUB_ROOM), the prompt and max_tokens."""
         new_tokens = 0
         for k in range(first, len(conv.messages)):
             m = conv.message(k)
@@ -279,6 +294,8 @@ class Pipeline:
                                f"prompt {prompt} + max_tokens {max_new_tokens}) but the context window is "
                                f"{self.p.model.max_context}; lower max_tokens, forget segments or start a new session",
                                param="max_tokens")
+        stubs = STUB_ROOM * (len(conv.messages) - first)
+        return min(total + stubs, self.p.model.max_context)
 
     def _sync_cache(self, live: LiveSession, expected: list[int],
                     abandoned: Callable[[], bool] = lambda: False) -> None:
@@ -398,6 +415,8 @@ class Pipeline:
         key = PrefixCache.key(live.record.salt_scope or "", system)
         cached = self.prefixes.get(key)
         if cached is not None:
+            cached.reserve(live.cache.capacity)  # the room the turn reserved moves with it
+            live.cache.wipe()
             live.cache = cached
         else:
             self._compute(live.cache.extend, system)
@@ -560,7 +579,8 @@ class Pipeline:
             self._sync_cache(live, turn.before)
         except Exception as exc:  # an empty cache is always consistent: the next turn rebuilds it
             log.error("turn.cache_reset", session=turn.session_id, error=f"{type(exc).__name__}: {exc}")
-            live.cache = self.p.kernel.new_cache()
+            live.cache.wipe()
+            live.cache = self.p.kernel.new_cache(0)
 
     def post_turn(self, turn: Turn) -> list[dict[str, Any]]:
         erasures = self.erasure.post_turn(turn)

@@ -16,9 +16,12 @@ import structlog
 from kvkernel import GenerationConfig, KVCache
 
 from .chat import ChatMessage, Conversation, with_tools
-from .erasure import Erasure
+from .erasure import Erasure, actor_of
 from .errors import GatewayError, fails_as
+from .memstat import default_kv_budget, release_to_os
+from .offload import DiskTier, HostTier, Offload
 from .pipeline import Components, Pipeline
+from .residency import Residency
 from .sessions import Compute, PrefixCache, Sessions
 from .tenants import Principal
 from .turn import Turn
@@ -26,6 +29,21 @@ from .turn import Turn
 __all__ = ["Components", "Gateway", "TurnChannel"]
 
 log = structlog.get_logger(__name__)
+
+
+def residency_for(parts: Components, sessions: Sessions) -> Residency:
+    """The KV budget and its offload tier: host memory when the kernel runs on CUDA, else disk."""
+    budget = parts.kv_budget_bytes or default_kv_budget(parts.model.device, parts.kv_budget_share)
+    offload_bytes = 2 * budget if parts.kv_offload_bytes is None else parts.kv_offload_bytes
+    tier: DiskTier | HostTier | None = HostTier() if parts.model.device.type == "cuda" else \
+        DiskTier(parts.offload_dir) if parts.offload_dir is not None else None
+    offload = Offload(tier, offload_bytes) if tier is not None and offload_bytes > 0 else None
+    release_to_os()
+    log.info("kv.budget", budget_bytes=budget, offload_bytes=offload_bytes if offload else 0,
+             tier=tier.name if offload and tier else None)
+    return Residency(kernel=parts.kernel, ledger=parts.ledger, policy=parts.policy, metrics=parts.metrics,
+                     sessions=sessions, budget_bytes=budget, offload=offload,
+                     offload_min_priority=parts.kv_offload_min_priority)
 
 
 class TurnChannel(Protocol):
@@ -51,10 +69,14 @@ class Gateway:
         self.p = parts
         self.compute = Compute()
         self.sessions = Sessions(parts.kernel, parts.ledger, parts.policy, parts.salt_secret)
+        self.residency = residency_for(parts, self.sessions)
+        self.sessions.prefixes.room = self.residency.fits
         self.erasure = Erasure(sessions=self.sessions, ledger=parts.ledger, audit=parts.audit, policy=parts.policy,
                                metrics=parts.metrics, compute=self.compute, witness_mode=parts.witness_mode,
-                               lock_timeout_s=parts.lock_timeout_s, tokenizer=parts.model.tokenizer)
-        self.pipeline = Pipeline(parts, prefixes=self.sessions.prefixes, erasure=self.erasure, compute=self.compute)
+                               lock_timeout_s=parts.lock_timeout_s, tokenizer=parts.model.tokenizer,
+                               residency=self.residency)
+        self.pipeline = Pipeline(parts, prefixes=self.sessions.prefixes, erasure=self.erasure,
+                                 compute=self.compute, residency=self.residency)
         self.stopping = threading.Event()  # shutdown: running turns stop generating and end
         self._running = 0
         self._running_changed = threading.Condition()
@@ -82,18 +104,23 @@ class Gateway:
             self._running += 1
         try:
             with live.hold(self.p.lock_timeout_s):
-                turn = Turn(live, before=live.cache.tokens,
-                            abandoned=lambda: channel.cancelled() or self.stopping.is_set())
-                outcome = "failed"
                 try:
-                    conv = Conversation(self.p.model.tokenizer, conv_messages, memo=live.chunks)
-                    self.pipeline.prepare(turn, principal, conv, cfg.max_new_tokens, offset, tool_spec=bool(tools))
-                    channel.prepared(turn)
-                    self.p.hold_point("turn-written", turn.abandoned)
-                    outcome = self._generate(turn, cfg, channel)
+                    self.residency.admit(live)
+                    turn = Turn(live, before=live.cache.tokens,
+                                abandoned=lambda: channel.cancelled() or self.stopping.is_set())
+                    outcome = "failed"
+                    try:
+                        conv = Conversation(self.p.model.tokenizer, conv_messages, memo=live.chunks)
+                        self.pipeline.prepare(turn, principal, conv, cfg.max_new_tokens, offset,
+                                              tool_spec=bool(tools))
+                        channel.prepared(turn)
+                        self.p.hold_point("turn-written", turn.abandoned)
+                        outcome = self._generate(turn, cfg, channel)
+                    finally:
+                        turn.end(outcome, self.pipeline)
+                        self.p.metrics.turns.labels(turn.outcome).inc()
                 finally:
-                    turn.end(outcome, self.pipeline)
-                    self.p.metrics.turns.labels(turn.outcome).inc()
+                    self.residency.settle(live)
                     self.p.metrics.kv_bytes.set(self.kv_bytes())
                 if tools and turn.outcome == "completed":
                     self._record_tool_calls(turn.session_id, channel)
@@ -157,9 +184,33 @@ class Gateway:
         """Token count, cache digest and KV memory of a session: what an auditor compares."""
         record = self.sessions.scoped(principal, session_id)
         with self.sessions.resident(record).hold(self.p.lock_timeout_s) as live:
-            return {"session_id": record.id, "tenant": record.tenant, "tokens": len(live.cache),
-                    "resident": len(live.cache) > 0, "cache_digest": self.compute(live.cache.digest),
-                    "kv": live.cache.memory().to_dict()}
+            try:
+                self.residency.admit(live)  # an offloaded session comes back (verified) to be compared
+                return {"session_id": record.id, "tenant": record.tenant, "tokens": len(live.cache),
+                        "resident": len(live.cache) > 0, "cache_digest": self.compute(live.cache.digest),
+                        "kv": live.cache.memory().to_dict()}
+            finally:
+                self.residency.settle(live)
+
+    def end_session(self, principal: Principal, session_id: str) -> dict[str, Any]:
+        """DELETE /v1/sessions/{id}: erase every KV copy of the session (resident memory zeroed,
+        offloaded copy overwritten and unlinked), audited as `kv-release` naming the copies. The
+        ledger keeps the conversation (erase content with /forget); a later turn rebuilds it."""
+        record = self.sessions.scoped(principal, session_id)
+        with fails_as("policy"):
+            decision = self.p.policy.erasure_allowed({
+                "actor": principal.policy_actor(),
+                "target": {"tenant": record.tenant, "session_id": record.id, "session_owner": record.user},
+                "action": "forget"})
+        if not decision.allowed:
+            raise GatewayError(403, "erasure_denied", "ending the session denied by policy: " + "; ".join(decision.reasons))
+        with self.sessions.resident(record).hold(self.p.lock_timeout_s) as live:
+            copies = self.residency.release(live)
+        body = {"kind": "kv-release", "tenant": record.tenant, "session": record.id, "actor": actor_of(principal),
+                "copies": copies}
+        index = self.erasure.append_records([body])[0]
+        log.info("session.ended", session=record.id, copies=sorted(copies))
+        return {"session_id": record.id, "copies": copies, "audit_index": index}
 
     def scoped_session(self, principal: Principal, session_id: str) -> Any:
         return self.sessions.scoped(principal, session_id)
@@ -174,7 +225,13 @@ class Gateway:
         return record.salt_scope if record else None
 
     def kv_bytes(self) -> int:
+        """Bytes of K/V rows the sessions hold (tokens x bytes per token, capacity not counted);
+        `residency.used()` is what the budget counts."""
         return sum(s.cache.memory().total_bytes for s in self.sessions.all())
+
+    def close(self) -> None:
+        """Shutdown: erase every offloaded copy."""
+        self.residency.close()
 
     def forget_request(self, principal: Principal, session_id: str, selector: dict[str, Any]) -> dict[str, Any]:
         return self.erasure.forget_request(principal, session_id, selector)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -25,11 +26,36 @@ T = TypeVar("T")
 
 
 @dataclass
+class Priority:
+    """A session's priority inputs, kept from its last turn so that choosing a victim costs no
+    policy call: per segment (priority, duration_s, entered at, tokens), and the defaults."""
+
+    segments: list[tuple[int, float | None, float, int]] = field(default_factory=list)
+    default: int = 0
+    offload_min: int = 101  # nothing is offloaded until the policy has spoken
+
+    def now(self, at: float) -> float:
+        """Token-weighted mean of the segments' current priorities (a priority past its duration
+        reverts to the default); the default for an empty session."""
+        total = sum(n for *_, n in self.segments)
+        if not total:
+            return float(self.default)
+        return sum((p if d is None or at - t < d else self.default) * n for p, d, t, n in self.segments) / total
+
+
+@dataclass
 class LiveSession:
+    """A session this replica knows: its cache (empty, holding nothing, while evicted), its lock,
+    and what the KV budget needs to choose whom to evict (see gateway/residency.py)."""
+
     record: SessionRecord
     cache: KVCache
     lock: threading.Lock = field(default_factory=threading.Lock)
     chunks: dict[bytes, Chunk] = field(default_factory=dict)  # last request's renderings (Conversation memo)
+    reserved: int = 0  # bytes reserved by the running turn (0 when idle)
+    last_used: float = field(default_factory=time.monotonic)
+    ledger_mark: str | None = None  # the ledger's view when the cache was last in step with it
+    priority: Priority = field(default_factory=Priority)
 
     @contextmanager
     def hold(self, timeout_s: float) -> Iterator["LiveSession"]:
@@ -53,6 +79,30 @@ class PrefixCache:
         self._entries: dict[str, KVCache] = {}
         self._capacity = capacity
         self._lock = threading.Lock()
+        self.room: Callable[[int], bool] = lambda _nbytes: True  # the KV budget's say (Residency.fits)
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(c.nbytes for c in self._entries.values())
+
+    def discard(self, key: str) -> bool:
+        """Drop one entry, its memory zeroed; False when there is none under `key`."""
+        with self._lock:
+            cache = self._entries.pop(key, None)
+        if cache is None:
+            return False
+        cache.wipe()
+        return True
+
+    def pop_oldest(self) -> bool:
+        """Drop the least recently used entry, its memory zeroed; False when there is none."""
+        with self._lock:
+            if not self._entries:
+                return False
+            cache = self._entries.pop(next(iter(self._entries)))
+        cache.wipe()
+        return True
 
     @staticmethod
     def key(salt: str, tokens: tuple[int, ...]) -> str:
@@ -70,11 +120,16 @@ class PrefixCache:
         return cache.clone()
 
     def put(self, key: str, cache: KVCache) -> None:
+        """Keep a trimmed copy, if the KV budget has room for it (an entry only saves compute)."""
         clone = cache.clone()
+        clone.fit()
+        if not self.room(clone.nbytes):
+            clone.wipe()
+            return
         with self._lock:
             self._entries[key] = clone
             while len(self._entries) > self._capacity:
-                del self._entries[next(iter(self._entries))]
+                self._entries.pop(next(iter(self._entries))).wipe()
 
 
 class Sessions:
@@ -167,7 +222,7 @@ class Sessions:
         with self._lock:
             live = self._resident.get(record.id)
             if live is None:
-                live = LiveSession(record, self._kernel.new_cache())
+                live = LiveSession(record, self._kernel.new_cache(0))  # room is reserved per turn
                 self._resident[record.id] = live
             return live
 
@@ -178,6 +233,16 @@ class Sessions:
     def all(self) -> list[LiveSession]:
         with self._lock:
             return list(self._resident.values())
+
+    def adopt(self, live: LiveSession) -> bool:
+        """Register `live` again if its session was ended meanwhile; False when another object
+        now stands for the session (the caller must not use this one)."""
+        with self._lock:
+            return self._resident.setdefault(live.record.id, live) is live
+
+    def remove(self, session_id: str) -> None:
+        with self._lock:
+            self._resident.pop(session_id, None)
 
 
 class Compute:

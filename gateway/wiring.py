@@ -129,7 +129,9 @@ def attach_model(state: AppState, model: Model) -> None:
         policy=state.policy, gate=state.gate, metrics=state.metrics, probe=(probe := load_probe(s, model)),
         salt_secret=secret_file(s.resolved("salt_secret_path", "salt.key")), witness_mode=s.witness_mode,
         max_tool_result_bytes=s.max_tool_result_bytes, lock_timeout_s=s.lock_timeout_s, check_invariants=s.debug,
-        hold_at=s.test_hold_at))
+        hold_at=s.test_hold_at, kv_budget_bytes=s.kv_budget_bytes, kv_budget_share=s.kv_budget_share,
+        kv_offload_bytes=s.kv_offload_bytes, kv_offload_min_priority=s.kv_offload_min_priority,
+        offload_dir=s.data_dir / "kv-offload"))
     settled = state.gateway.settle()  # what turns cut off by a crash still owe, before any new turn
     state.scorer = injection_scorer(probe)
     state.metrics.injection_scorer.info({"scorer": state.scorer, "probe_model": probe.model_identity[:16] if probe else ""})
@@ -180,6 +182,8 @@ async def shutdown(state: AppState) -> None:
     if state.gateway is not None:
         drained = await asyncio.to_thread(state.gateway.drain, grace)
         log.info("shutdown.drained", ok=drained)
+        if drained:  # a turn still running may yet evict; its copies go with the process's data dir
+            await asyncio.to_thread(state.gateway.close)
     state.turns.shutdown(wait=False, cancel_futures=True)
 
 

@@ -124,8 +124,10 @@ class Kernel:
     def plan(self) -> Plan:
         return self.calibration.plan
 
-    def new_cache(self) -> KVCache:
-        return KVCache(self)
+    def new_cache(self, capacity: int = 256) -> KVCache:
+        """An empty cache with room for ``capacity`` rows; 0 allocates nothing until the first use
+        (a gateway that reserves exact room per turn holds no idle buffer)."""
+        return KVCache(self, capacity)
 
     def provenance(self) -> dict[str, Any]:
         """The model, device, dtype, kernel version, tile and plan hash every witness records."""
@@ -148,11 +150,11 @@ class Kernel:
 class KVCache:
     """An exact, editable KV cache. NOT thread-safe: callers serialise access per cache."""
 
-    def __init__(self, kernel: Kernel) -> None:
+    def __init__(self, kernel: Kernel, capacity: int = _INITIAL_CAPACITY) -> None:
         s = kernel.transformer.shape
         self._kernel = kernel
         self._tf = kernel.transformer
-        self._kv = torch.zeros(3, s.layers, s.kv_heads, _INITIAL_CAPACITY, s.head_dim, device=kernel.model.device, dtype=kernel.model.dtype)
+        self._kv = torch.zeros(3, s.layers, s.kv_heads, capacity, s.head_dim, device=kernel.model.device, dtype=kernel.model.dtype)
         self._tokens: list[int] = []
         self._logits: torch.Tensor | None = None
         self._staged: tuple[int, torch.Tensor | None] | None = None
@@ -210,6 +212,75 @@ class KVCache:
             capacity_tokens=self._kv.shape[3],
             allocated_bytes=self._kv.numel() * elem,
         )
+
+    @property
+    def capacity(self) -> int:
+        """Rows the buffer has room for (at least the length)."""
+        return int(self._kv.shape[3])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor memory this cache holds now: the K/V/raw-K buffer at its capacity, the
+        logits and a pending stage's saved logits. What a memory budget must count."""
+        held = self._kv.numel() * self._kv.element_size()
+        held += 0 if self._logits is None else self._logits.numel() * self._logits.element_size()
+        saved = self._staged[1] if self._staged is not None else None
+        return held + (0 if saved is None else saved.numel() * saved.element_size())
+
+    def bytes_for(self, tokens: int) -> int:
+        """The most :attr:`nbytes` can reach while holding ``tokens`` after :meth:`reserve`: the
+        buffer at the capacity ``tokens`` needs, plus logits and a stage's saved logits."""
+        s = self._tf.shape
+        rows = max(self._tf.key_length(tokens), self._kv.shape[3]) if tokens else self._kv.shape[3]
+        return 3 * s.layers * s.kv_heads * rows * s.head_dim * self._kv.element_size() + 2 * s.vocab * 4
+
+    def reserve(self, tokens: int) -> None:
+        """Grow the buffer now to exactly the rows ``tokens`` tokens need, so that appends up to
+        that length never reallocate (the doubling growth of :meth:`_ensure` over-allocates by up
+        to 2x, which a budget would have to count as held)."""
+        if tokens > 0:
+            self._resize(max(self._tf.key_length(tokens), self._kv.shape[3]))
+
+    def fit(self) -> None:
+        """Shrink the buffer to the rows the current tokens need; the old buffer is zeroed first."""
+        self._no_stage("fit")
+        self._resize(self._tf.key_length(len(self)) if len(self) else 0)
+
+    def wipe(self) -> None:
+        """Zero every row and the logits and hold nothing: what an evicted or ended session's
+        memory becomes before it is released, so freed pages never carry K/V bytes."""
+        with torch.inference_mode():  # logits are inference tensors: zeroed in that mode
+            self._kv.zero_()
+            for held in (self._logits, self._staged[1] if self._staged is not None else None):
+                if held is not None:
+                    held.zero_()
+        self._kv = self._kv.new_zeros(*self._kv.shape[:3], 0, self._kv.shape[4])
+        self._tokens, self._logits, self._staged = [], None, None
+
+    def export_rows(self) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
+        """Tokens, rows ``[:len]`` of every plane (``[3, layers, kv_heads, len, head_dim]``, a
+        copy) and the logits (a copy): everything :meth:`from_rows` needs to rebuild this cache."""
+        self._no_stage("export_rows")
+        return self.tokens, self._kv[:, :, :, : len(self)].clone(), self.logits
+
+    @classmethod
+    def from_rows(cls, kernel: Kernel, tokens: Sequence[int], rows: torch.Tensor,
+                  logits: torch.Tensor | None) -> KVCache:
+        """The cache :meth:`export_rows` described; shapes are checked, bits are the caller's to
+        verify (compare :meth:`digest` with the one recorded at export)."""
+        s = kernel.transformer.shape
+        n = len(tokens)
+        want = (3, s.layers, s.kv_heads, n, s.head_dim)
+        if tuple(rows.shape) != want or rows.dtype != kernel.model.dtype:
+            raise KernelError(f"rows of shape {tuple(rows.shape)} {rows.dtype} do not fit this kernel "
+                              f"({want} {kernel.model.dtype})")
+        if (logits is None) != (n == 0) or (logits is not None and tuple(logits.shape) != (s.vocab,)):
+            raise KernelError("logits must be given exactly when there are tokens, shaped [vocab]")
+        cache = cls(kernel, kernel.transformer.key_length(n) if n else 0)
+        cache._tokens = cache._check_tokens(tokens, extra=n)
+        cache._kv[:, :, :, :n] = rows.to(cache._kv.device)
+        cache._logits = None if logits is None else logits.to(torch.float32).to(cache._kv.device).clone()
+        return cache
 
     def clone(self) -> KVCache:
         """An independent deep copy (same kernel)."""
@@ -419,10 +490,17 @@ class KVCache:
         cap = self._kv.shape[3]
         if need <= cap:
             return
-        new_cap = max(need, 2 * cap)
-        grown = self._kv.new_zeros(*self._kv.shape[:3], new_cap, self._kv.shape[4])
-        grown[:, :, :, : len(self)] = self._kv[:, :, :, : len(self)]
-        self._kv = grown
+        self._resize(max(need, 2 * cap))
+
+    def _resize(self, rows: int) -> None:
+        """Move the buffer to one of ``rows`` rows (at least the current length); the old buffer is
+        zeroed before it is released, so no freed page keeps K/V bytes."""
+        if rows == self._kv.shape[3]:
+            return
+        resized = self._kv.new_zeros(*self._kv.shape[:3], rows, self._kv.shape[4])
+        resized[:, :, :, : len(self)] = self._kv[:, :, :, : len(self)]
+        self._kv.zero_()
+        self._kv = resized
 
     @contextmanager
     def _atomic(self, start: int) -> Iterator[None]:
@@ -438,6 +516,8 @@ class KVCache:
             self._tokens = saved_tokens
             self._logits = saved_logits
             raise
+        finally:
+            saved_rows.zero_()  # a released copy never keeps K/V bytes (erased rows included)
 
     def _no_stage(self, op: str) -> None:
         if self._staged is not None:

@@ -9,6 +9,7 @@ from policies.engine import PolicyEngine
 from policies.model import (
     Decision,
     ErasureDecision,
+    KvPriority,
     PolicyError,
     Retention,
     Tenancy,
@@ -20,6 +21,7 @@ from policies.regotest import RegoTestReport, RegoTestResult, run_rego_tests
 __all__ = [
     "Decision",
     "ErasureDecision",
+    "KvPriority",
     "PolicyEngine",
     "PolicyError",
     "RegoTestReport",

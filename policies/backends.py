@@ -43,7 +43,8 @@ log = structlog.get_logger(__name__)
 
 _BUNDLES_PER_THREAD = 4  # bundles a thread keeps compiled: the active one plus recent reloads
 # The documents the gateway queries; each must be defined by every bundle.
-ENTRY_POINTS = ("data.lethe.decision", "data.lethe.tenancy", "data.lethe.retention", "data.lethe.erasure")
+ENTRY_POINTS = ("data.lethe.decision", "data.lethe.tenancy", "data.lethe.retention", "data.lethe.erasure",
+                "data.lethe.kv_priority")
 _RVM_UNDEFINED = '"<undefined>"'  # what Rvm.execute_entry_point returns for an undefined document
 
 

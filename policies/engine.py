@@ -18,7 +18,8 @@ import structlog
 
 from policies.backends import Backend, EmbeddedBackend, OpaBackend, engine_error, rule_ref
 from policies.bundle import Bundle, load_bundle
-from policies.model import ACTIONS, NON_TEXT, SCOPES, Decision, ErasureDecision, PolicyError, Retention, Tenancy
+from policies.model import (ACTIONS, NON_TEXT, SCOPES, Decision, ErasureDecision, KvPriority, PolicyError, Retention,
+                            Tenancy)
 
 log = structlog.get_logger(__name__)
 
@@ -34,6 +35,8 @@ _PROBES: dict[str, dict[str, Any]] = {
         "tenant": "probe", "tool": "probe", "state": "live",
         "gate": {"injection": 0.0, "secret": 0.0, "findings": []},
     },
+    "lethe/kv_priority": {"tenant": "probe", "segments": [{"role": "system", "tool": None, "state": "live",
+                                                          "n_tokens": 1}]},
     "lethe/erasure": {
         "actor": {"tenant": "probe", "user": "probe", "roles": []},
         "target": {"tenant": "probe", "session_id": "probe", "session_owner": "probe"},
@@ -145,6 +148,13 @@ class PolicyEngine:
             log.warning("policy.retention_failed", error=str(exc), bundle_hash=active.bundle.hash)
             return Retention("policy-error", 0.0, active.bundle.hash)
 
+    def kv_priority(self, input: dict) -> KvPriority:
+        """Per-segment KV priorities of a session; raises PolicyError (the gateway then keeps the
+        session's previous priorities, or the lowest: a policy failure must not pin memory)."""
+        active = self._active
+        return _kv_priority(self._evaluate(active, "lethe/kv_priority", input), active.bundle.hash,
+                            len(input.get("segments", ())))
+
     def erasure_allowed(self, input: dict) -> ErasureDecision:
         """May this actor forget that session? Never raises; errors deny."""
         active = self._active
@@ -254,6 +264,30 @@ def _retention(result: dict, bundle_hash: str) -> Retention:
     return Retention(data_class, None if ttl is None else float(ttl), bundle_hash)
 
 
+def _priority(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or not 0 <= value <= 100:
+        raise PolicyError(f"malformed data.lethe.kv_priority: {what} must be an integer 0-100, got {value!r}")
+    return int(value)
+
+
+def _kv_priority(result: dict, bundle_hash: str, expected: int | None = None) -> KvPriority:
+    segments = result.get("segments")
+    if not isinstance(segments, list) or (expected is not None and len(segments) != expected):
+        raise PolicyError(f"malformed data.lethe.kv_priority: segments must be a list with one entry per input "
+                          f"segment, got {segments!r}")
+    out = []
+    for i, seg in enumerate(segments):
+        duration = seg.get("duration_s") if isinstance(seg, dict) else "missing"
+        if duration is not None and (isinstance(duration, bool) or not isinstance(duration, (int, float))
+                                     or duration <= 0):
+            raise PolicyError(f"malformed data.lethe.kv_priority: segments[{i}].duration_s must be null or > 0, "
+                              f"got {duration!r}")
+        out.append((_priority(seg.get("priority"), f"segments[{i}].priority"),
+                    None if duration is None else float(duration)))
+    return KvPriority(_priority(result.get("default_priority"), "default_priority"),
+                      _priority(result.get("offload_min_priority"), "offload_min_priority"), tuple(out), bundle_hash)
+
+
 def _erasure(result: dict, bundle_hash: str) -> ErasureDecision:
     allow = result.get("allow")
     if not isinstance(allow, bool):
@@ -265,5 +299,6 @@ _VALIDATORS = {
     "lethe/decision": _decision,
     "lethe/tenancy": _tenancy,
     "lethe/retention": _retention,
+    "lethe/kv_priority": _kv_priority,
     "lethe/erasure": _erasure,
 }

@@ -70,6 +70,17 @@ class Retention:
 
 
 @dataclass(frozen=True)
+class KvPriority:
+    """How dearly each segment's KV is kept (0-100), for how long (None: for ever) before it
+    reverts to `default`, and the lowest priority whose evicted session is offloaded, not dropped."""
+
+    default: int
+    offload_min: int
+    segments: tuple[tuple[int, float | None], ...]
+    bundle_hash: str
+
+
+@dataclass(frozen=True)
 class ErasureDecision:
     """Whether an actor may forget a session, with the rules that granted or denied it."""
 

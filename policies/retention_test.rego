@@ -58,3 +58,43 @@ test_unknown_state_is_undefined if {
 test_missing_gate_is_undefined if {
 	not data.lethe.retention with input as {"tenant": "acme", "tool": "t", "state": "live"}
 }
+
+# ---- kv_priority ---------------------------------------------------------------------------
+
+seg(role, tool, state) := {"role": role, "tool": tool, "state": state, "n_tokens": 10}
+
+kv(tenant, segments) := r if {
+	r := data.lethe.kv_priority with input as {"tenant": tenant, "segments": segments}
+		with data.lethe.tenants as {"acme": {"trusted_tools": ["search.internal"], "kv": {"offload_min_priority": 60}}}
+}
+
+test_kv_system_prompt_pinned_high if {
+	kv("nobody", [seg("system", null, "live")]).segments == [{"priority": 90, "duration_s": null}]
+}
+
+test_kv_turns_high_while_recent_then_default if {
+	r := kv("nobody", [seg("user", null, "live"), seg("assistant", null, "live"), seg("tool", "web.fetch", "live")])
+	r.segments == [{"priority": 50, "duration_s": 600}, {"priority": 50, "duration_s": 600}, {"priority": 50, "duration_s": 600}]
+	r.default_priority == 35
+}
+
+test_kv_quarantine_and_amortize_stubs_low if {
+	r := kv("nobody", [seg("tool", "web.fetch", "quarantined"), seg("tool", "web.fetch", "amortized")])
+	r.segments == [{"priority": 10, "duration_s": null}, {"priority": 10, "duration_s": null}]
+}
+
+test_kv_trusted_tool_result_pinned_for_an_hour if {
+	kv("acme", [seg("tool", "search.internal", "live")]).segments == [{"priority": 80, "duration_s": 3600}]
+	kv("nobody", [seg("tool", "search.internal", "live")]).segments == [{"priority": 50, "duration_s": 600}]
+}
+
+test_kv_offload_minimum_per_tenant if {
+	kv("nobody", []).offload_min_priority == 30
+	kv("acme", []) == {"default_priority": 35, "offload_min_priority": 60, "segments": []}
+}
+
+test_kv_malformed_segment_is_undefined if {
+	not kv("nobody", [seg("tool", "t", "forgotten")])
+	not kv("nobody", [{"tool": "t", "state": "live"}])
+	not data.lethe.kv_priority with input as {"tenant": "acme"}
+}

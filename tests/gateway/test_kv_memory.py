@@ -1,0 +1,197 @@
+"""KV memory on a live gateway with the real SmolLM2: a budget that evicts, exact restores, a 503
+with Retry-After when nothing fits, metrics, and erasure that reaches the offloaded copies (the
+span's K/V bytes are searched for in every byte of the offload directory)."""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from gateway.config import Settings
+from gateway.demo import CONFIG_FILE, local_gateway
+from gateway.service import Gateway
+
+pytestmark = pytest.mark.model
+
+PORT = int(os.environ.get("LETHE_TEST_PORT", "18121")) + 1  # beside the shared live gateway's port
+MB = 1 << 20
+
+
+BUDGET = 40 * MB  # about two idle sessions and one running turn of these (128-row buckets, 69 KB a row)
+
+
+@pytest.fixture(scope="module")
+def kv(real_model) -> Iterator[tuple[httpx.Client, Gateway, Path]]:
+    """One gateway for the module (a start calibrates the kernel); every test uses its own sessions."""
+    s = Settings(max_new_tokens=4, lock_timeout_s=5.0, log_json=True, debug=True, retention_sweep_s=3600,
+                 kv_budget_bytes=BUDGET, metrics_public=True)
+    with local_gateway(s, model=real_model, port=PORT) as gw:
+        state = gw.app.state.lethe
+        with httpx.Client(base_url=gw.base, headers={"Authorization": f"Bearer {gw.key}"}, timeout=300) as http:
+            yield http, state.gateway, Path(state.settings.data_dir) / "kv-offload"
+
+
+def chat(http: httpx.Client, messages: list[dict], session: str | None = None) -> httpx.Response:
+    headers = {"X-Lethe-Session": session} if session else {}
+    return http.post("/v1/chat/completions", json={"model": "m", "messages": messages, "max_tokens": 2},
+                     headers=headers)
+
+
+def tool_messages(tag: str, content: str | None = None) -> list[dict]:
+    return [{"role": "system", "content": "You are a careful assistant."},
+            {"role": "user", "content": f"read the file for task {tag}"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1",
+             "content": content or f"inventory {tag}: " + ", ".join(f"{tag}-item-{i} qty {i * 7 % 13}" for i in range(12))}]
+
+
+def start(http: httpx.Client, tag: str, content: str | None = None) -> str:
+    response = chat(http, tool_messages(tag, content))
+    assert response.status_code == 200, response.text
+    return response.headers["x-lethe-session"]
+
+
+def tool_segment(gw: Gateway, sid: str) -> tuple[int, int]:
+    seg = [s for s in gw.p.ledger.segments(sid) if s.role == "tool"][-1]
+    return seg.start, seg.end
+
+
+def needles(gw: Gateway, sid: str, span: tuple[int, int]) -> dict[bytes, str]:
+    """The span's rotated-K and V rows, one needle per (layer >= 1, head, position): a layer-0 row
+    depends on its token alone and may legitimately recur wherever that token does."""
+    cache = gw.cache(sid)
+    a, b = span
+    out = {}
+    for layer in range(1, cache.memory().layers):
+        k, v, _raw = cache.layer_kv(layer)
+        for name, plane in (("K", k), ("V", v)):
+            for h in range(plane.shape[0]):
+                for p in range(a + 2, b):
+                    out[plane[h, p].numpy().tobytes()] = f"{name} layer {layer} head {h} position {p}"
+    return out
+
+
+def found(directory: Path, wanted: dict[bytes, str]) -> list[str]:
+    """Which needles occur at any byte offset of any file (copies and tmp files) in the directory:
+    every offset's first 8 bytes are matched against the needles' (numpy), candidates compared in full."""
+    first: dict[bytes, list[bytes]] = {}
+    for n in wanted:
+        first.setdefault(n[:8], []).append(n)
+    keys = np.frombuffer(b"".join(first), dtype="<u8")
+    hits = []
+    for path in (p for p in directory.rglob("*") if p.is_file()):
+        blob = path.read_bytes()
+        for shift in range(8):
+            words = np.frombuffer(blob[shift:len(blob) - (len(blob) - shift) % 8], dtype="<u8")
+            for at in np.nonzero(np.isin(words, keys))[0]:
+                offset = shift + 8 * int(at)
+                hits += [wanted[n] for n in first[blob[offset:offset + 8]] if blob[offset:offset + len(n)] == n]
+    return hits
+
+
+def evict(http: httpx.Client, gw: Gateway, sid: str, tag: str) -> None:
+    """New sessions until `sid` leaves memory for the offload tier."""
+    for i in range(6):
+        start(http, f"{tag}{i}")
+        if gw.residency.offload.copy_of(sid) is not None:
+            return
+    raise AssertionError(f"session {sid} was never offloaded")
+
+
+def metric(http: httpx.Client, name: str) -> float:
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{") and line.split(" ")[0] == name:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+
+def test_offloaded_session_restores_bit_exact_and_metrics_move(kv):
+    http, gw, directory = kv
+    sid = start(http, "alpha")
+    reference = gw.cache(sid).clone()
+    evict(http, gw, sid, "evict")
+    assert len(gw.cache(sid)) == 0 and gw.cache(sid).nbytes == 0
+    assert metric(http, "lethe_kv_offloads_total") >= 1 and metric(http, "lethe_kv_offloaded_bytes") > 0
+    assert any(directory.iterdir())
+    response = chat(http, tool_messages("alpha") + [{"role": "user", "content": "and now?"}], session=sid)
+    assert response.status_code == 200, response.text
+    assert metric(http, 'lethe_kv_restores_total{result="hit"}') >= 1
+    assert metric(http, "lethe_kv_restore_seconds_count") >= 1
+    restored = gw.cache(sid)
+    n = len(reference)
+    assert restored.tokens[:n] == reference.tokens
+    for layer in range(reference.memory().layers):
+        for got, want in zip(restored.layer_kv(layer), reference.layer_kv(layer)):
+            assert float((got[:, :n] - want).abs().max()) == 0.0
+    gw.p.ledger.check_invariants(sid, cache_len=len(restored))
+    assert 0 < metric(http, "lethe_kv_resident_bytes") <= BUDGET
+
+
+def test_a_turn_that_cannot_fit_gets_503_with_retry_after_and_nothing_is_admitted(kv):
+    http, gw, _ = kv
+    gw.residency.budget = 4 * MB  # less than one turn of this model needs
+    try:
+        response = chat(http, tool_messages("toolarge"))
+        assert response.status_code == 503 and response.headers["retry-after"] == "2"
+        error = response.json()["error"]
+        assert error["code"] == "kv_budget_exhausted" and "LETHE_KV_BUDGET_BYTES" in error["message"]
+        refused = [s for s in gw.sessions.all() if not gw.p.ledger.segments(s.record.id)]
+        assert len(refused) == 1 and refused[0].cache.nbytes == 0  # nothing of the turn was admitted
+        assert gw.residency.used() <= 4 * MB  # every idle session was evicted trying
+    finally:
+        gw.residency.budget = BUDGET
+
+
+def test_forget_of_an_offloaded_session_leaves_no_span_bytes_in_any_copy(kv):
+    http, gw, directory = kv
+    sid = start(http, "beta")
+    span = tool_segment(gw, sid)
+    wanted = needles(gw, sid, span)
+    evict(http, gw, sid, "f")
+    assert set(found(directory, wanted)) == set(wanted.values())  # the scan finds them while the copy holds them
+    seg_id = [s for s in gw.p.ledger.segments(sid) if s.role == "tool"][-1].id
+    response = http.post(f"/v1/sessions/{sid}/forget", json={"segment_id": seg_id})
+    assert response.status_code == 200, response.text
+    copies = response.json()["records"][0]["body"]["copies"]
+    assert copies["offload"]["action"] == "restored-erased" and copies["resident"]["action"] == "forgotten-exact"
+    assert response.json()["witness"]["equal"] is True
+    assert found(directory, wanted) == []
+    evict(http, gw, sid, "g")  # offloaded again, as it is after the forget
+    assert gw.residency.offload.copy_of(sid).tokens == span[0]
+    assert found(directory, wanted) == []
+
+
+def test_retention_expiry_of_an_offloaded_session_leaves_no_span_bytes(kv):
+    http, gw, directory = kv
+    sid = start(http, "gamma", CONFIG_FILE + "# kv memory\n")  # a secret: kept 600 s by the demo tenant
+    span = tool_segment(gw, sid)
+    wanted = needles(gw, sid, span)
+    evict(http, gw, sid, "r")
+    assert set(found(directory, wanted)) == set(wanted.values())
+    assert gw.sweep_retention(now=datetime.now(timezone.utc) + timedelta(seconds=601)) >= 1
+    assert found(directory, wanted) == []
+    records = http.get("/v1/audit/records", params={"session": sid, "kind": "retention-forget"}).json()["records"]
+    assert records[0]["body"]["copies"]["offload"]["action"] == "restored-erased"
+
+
+def test_ending_an_offloaded_session_erases_its_copy(kv):
+    http, gw, directory = kv
+    sid = start(http, "delta")
+    wanted = needles(gw, sid, tool_segment(gw, sid))
+    evict(http, gw, sid, "d")
+    copy = gw.residency.offload.copy_of(sid)
+    assert set(found(directory, wanted)) == set(wanted.values())
+    response = http.delete(f"/v1/sessions/{sid}")
+    assert response.status_code == 200, response.text
+    assert response.json()["copies"]["offload"] == {"sha256": copy.sha256, "tier": "disk", "action": "erased"}
+    assert found(directory, wanted) == [] and not (directory / copy.key).exists()
+    record = http.get("/v1/audit/records", params={"session": sid, "kind": "kv-release"}).json()["records"][0]
+    assert record["body"]["copies"]["offload"]["sha256"] == copy.sha256
+    assert gw.sessions.get(sid) is None

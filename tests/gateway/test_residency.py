@@ -1,0 +1,239 @@
+"""The KV budget, eviction order, offload and exact restore, on the tiny random model with a real
+SQLite ledger, the shipped Rego policies and a real offload directory."""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from gateway.errors import GatewayError
+from gateway.metrics import Metrics
+from gateway.offload import DiskTier, HostTier, Offload
+from gateway.residency import Residency
+from gateway.sessions import LiveSession, Sessions
+from ledger import Ledger, NewSegment, SegmentState
+from policies import PolicyEngine
+
+
+class World:
+    """Sessions of the tiny model whose caches hold exactly what their ledger says."""
+
+    def __init__(self, kernel, tmp: Path, budget: int, *, offload_bytes: int = 1 << 30, host: bool = False,
+                 offload_min: int | None = None) -> None:
+        self.kernel = kernel
+        self.ledger = Ledger(f"sqlite:///{tmp / 'l.db'}", check_invariants=False)
+        self.policy = PolicyEngine()
+        self.metrics = Metrics()
+        self.sessions = Sessions(kernel, self.ledger, self.policy, b"s" * 32)
+        self.dir = tmp / "kv-offload"
+        tier = HostTier() if host else DiskTier(self.dir)
+        self.residency = Residency(kernel=kernel, ledger=self.ledger, policy=self.policy, metrics=self.metrics,
+                                   sessions=self.sessions, budget_bytes=budget,
+                                   offload=Offload(tier, offload_bytes) if offload_bytes else None,
+                                   offload_min_priority=offload_min)
+        self.count = 0
+
+    def session(self, segments: list[tuple[str, str | None, SegmentState, int]]) -> LiveSession:
+        """A settled session with one segment per (role, tool, state, tokens), its cache prefilled."""
+        self.count += 1
+        record = self.ledger.create_session(f"ses_{self.count}", "acme", "alice")
+        self.ledger.write_turn(record.id, keep=0, new=[
+            NewSegment(role=r, tool=t, content=f"{self.count}-{i}".encode(), n_tokens=n, state=st)
+            for i, (r, t, st, n) in enumerate(segments)])
+        live = self.sessions.resident(record)
+        tokens = [(self.count * 7 + i) % 200 + 3 for i in range(sum(n for *_, n in segments))]
+        with live.lock:
+            self.residency.admit(live)
+            self.residency.reserve(live, len(tokens))
+            live.cache.extend(tokens)
+            self.residency.settle(live)
+        return live
+
+    def turn(self, live: LiveSession, extra: int = 0) -> None:
+        """A turn that only touches the session (and may reserve `extra` tokens more)."""
+        with live.lock:
+            self.residency.admit(live)
+            self.residency.reserve(live, len(live.cache) + extra)
+            self.residency.settle(live)
+
+
+LIVE, QUARANTINED = SegmentState.LIVE, SegmentState.QUARANTINED
+
+
+def per_session(kernel, tokens: int) -> int:
+    return kernel.new_cache(0).bytes_for(tokens)
+
+
+def test_eviction_order_is_priority_then_least_recently_used(tiny_kernel, tmp_path):
+    one = per_session(tiny_kernel, 100)
+    w = World(tiny_kernel, tmp_path, budget=4 * one + one // 2, offload_bytes=0)
+    system = w.session([("system", None, LIVE, 100)])  # 90
+    old_turn = w.session([("user", None, LIVE, 100)])  # 50, used before `new_turn`
+    stub = w.session([("tool", "web.fetch", QUARANTINED, 100)])  # 10
+    new_turn = w.session([("user", None, LIVE, 100)])  # 50
+    w.turn(new_turn)
+    assert [len(s.cache) for s in (system, old_turn, stub, new_turn)] == [100] * 4
+    order = []
+    for _ in range(4):  # each newcomer (a system prompt: 90, but used last) evicts one session
+        w.session([("system", None, LIVE, 100)])
+        order += [s for s in (system, old_turn, stub, new_turn) if not len(s.cache) and s not in order]
+    assert order == [stub, old_turn, new_turn, system]
+    assert w.metrics.kv_evictions.labels("dropped")._value.get() == 4
+
+
+def test_a_session_mid_turn_is_never_evicted_and_the_turn_that_cannot_fit_gets_503(tiny_kernel, tmp_path):
+    one = per_session(tiny_kernel, 100)
+    w = World(tiny_kernel, tmp_path, budget=2 * one + one // 2)
+    busy = w.session([("user", None, LIVE, 100)])
+    other = w.session([("user", None, LIVE, 100)])
+    assert busy.lock.acquire(blocking=False)
+    try:
+        busy.reserved = busy.cache.nbytes  # mid-turn: its lock is held and its room reserved
+        other.lock.acquire()
+        other.reserved = other.cache.nbytes
+        newcomer = w.sessions.resident(w.ledger.create_session("ses_new", "acme", "alice"))
+        with pytest.raises(GatewayError) as err, newcomer.lock:
+            w.residency.reserve(newcomer, 100)
+        assert (err.value.status, err.value.code, err.value.retry_after) == (503, "kv_budget_exhausted", 2)
+        assert "mid-turn" in err.value.message and "LETHE_KV_BUDGET_BYTES" in err.value.message
+        assert len(busy.cache) == 100 and len(other.cache) == 100 and newcomer.reserved == 0
+    finally:
+        busy.lock.release()
+        other.lock.release()
+
+
+def test_a_session_bigger_than_the_whole_budget_gets_503_and_evicts_nobody(tiny_kernel, tmp_path):
+    w = World(tiny_kernel, tmp_path, budget=per_session(tiny_kernel, 200))
+    small = w.session([("user", None, LIVE, 50)])
+    big = w.sessions.resident(w.ledger.create_session("ses_big", "acme", "alice"))
+    with pytest.raises(GatewayError) as err, big.lock:
+        w.residency.reserve(big, 400)
+    assert err.value.code == "kv_budget_exhausted" and "alone needs" in err.value.message
+    # evicting the small one could not have helped, but the budget still tried: it went first
+    assert w.residency.used() <= w.residency.budget
+
+
+@pytest.mark.parametrize("host", [False, True], ids=["disk", "host"])
+def test_restore_is_bit_exact_against_a_never_evicted_cache(tiny_kernel, tmp_path, host):
+    one = per_session(tiny_kernel, 300)
+    w = World(tiny_kernel, tmp_path, budget=one + one // 2, host=host)
+    victim = w.session([("system", None, LIVE, 20), ("user", None, LIVE, 280)])
+    reference = victim.cache.clone()
+    w.session([("user", None, LIVE, 300)])  # evicts the victim to the offload tier
+    assert not len(victim.cache) and victim.cache.nbytes == 0
+    copy = w.residency.offload.copy_of(victim.record.id)
+    assert copy is not None and copy.key in w.residency.offload.tier.keys()
+    assert w.metrics.kv_offloads._value.get() == 1
+    with victim.lock:
+        touched = w.residency.admit(victim)
+        w.residency.settle(victim)
+    assert touched["offload"]["action"] == "restored-erased"
+    assert victim.cache.digest() == reference.digest()
+    for layer in range(tiny_kernel.transformer.shape.layers):
+        for got, want in zip(victim.cache.layer_kv(layer), reference.layer_kv(layer)):
+            assert float((got - want).abs().max()) == 0.0
+    assert torch.equal(victim.cache.logits, reference.logits)
+    assert victim.cache.tokens == reference.tokens
+    # and it goes on exactly: one more token on each gives the same bits
+    assert torch.equal(victim.cache.extend([5]), reference.extend([5]))
+    assert w.metrics.kv_restores.labels("hit")._value.get() == 1
+    assert w.residency.offload.copy_of(victim.record.id) is None  # the copy is erased once restored
+    assert copy.key not in w.residency.offload.tier.keys()  # (the other session is offloaded now)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "empty"])
+def test_a_corrupted_or_truncated_copy_is_discarded_and_rebuilt(tiny_kernel, tmp_path, damage):
+    one = per_session(tiny_kernel, 300)
+    w = World(tiny_kernel, tmp_path, budget=one + one // 2)
+    victim = w.session([("user", None, LIVE, 300)])
+    w.session([("user", None, LIVE, 300)])
+    path = w.dir / w.residency.offload.copy_of(victim.record.id).key
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    elif damage == "flip":
+        data[-100] ^= 0x01  # one bit of the logits
+    else:
+        data = bytearray()
+    path.write_bytes(bytes(data))
+    with victim.lock:
+        touched = w.residency.admit(victim)
+        w.residency.settle(victim)
+    assert touched["offload"]["action"] == "erased-invalid"
+    assert len(victim.cache) == 0  # nothing of the copy was used: the pipeline rebuilds from the ledger
+    assert w.metrics.kv_restores.labels("rebuilt")._value.get() == 1
+    assert not path.exists() and w.residency.offload.copy_of(victim.record.id) is None
+
+
+def test_a_copy_the_ledger_has_moved_past_is_never_used(tiny_kernel, tmp_path):
+    """A forget (or a turn) through another replica changes the ledger: the copy is stale."""
+    one = per_session(tiny_kernel, 300)
+    w = World(tiny_kernel, tmp_path, budget=one + one // 2)
+    victim = w.session([("user", None, LIVE, 100), ("tool", "t", LIVE, 200)])
+    w.session([("user", None, LIVE, 300)])
+    tool = [s for s in w.ledger.segments(victim.record.id) if s.role == "tool"][0]
+    w.ledger.forget(victim.record.id, [tool.id])  # as replica 2 would, on the shared database
+    with victim.lock:
+        touched = w.residency.admit(victim)
+    assert touched["offload"]["action"] == "erased-stale" and len(victim.cache) == 0
+    assert w.residency.offload.tier.keys() == []
+
+
+def test_a_resident_cache_the_ledger_has_moved_past_is_wiped_at_turn_start(tiny_kernel, tmp_path):
+    w = World(tiny_kernel, tmp_path, budget=1 << 30)
+    live = w.session([("user", None, LIVE, 100), ("tool", "t", LIVE, 50)])
+    tool = [s for s in w.ledger.segments(live.record.id) if s.role == "tool"][0]
+    w.ledger.forget(live.record.id, [tool.id])  # through another replica
+    with live.lock:
+        touched = w.residency.admit(live)
+    assert touched == {"resident": "wiped-stale"} and len(live.cache) == 0 and live.cache.nbytes == 0
+
+
+def test_below_the_offload_minimum_a_session_is_dropped_not_offloaded(tiny_kernel, tmp_path):
+    one = per_session(tiny_kernel, 300)
+    w = World(tiny_kernel, tmp_path, budget=one + one // 2)
+    stubby = w.session([("tool", "web.fetch", QUARANTINED, 300)])  # priority 10 < Rego's minimum 30
+    w.session([("user", None, LIVE, 300)])
+    assert len(stubby.cache) == 0 and w.residency.offload.copy_of(stubby.record.id) is None
+    assert w.metrics.kv_evictions.labels("dropped")._value.get() == 1
+    assert w.residency.offload.tier.keys() == []
+
+
+def test_the_offload_tier_stays_within_its_bound(tiny_kernel, tmp_path):
+    one = per_session(tiny_kernel, 200)
+    w = World(tiny_kernel, tmp_path, budget=one + one // 2, offload_bytes=int(one * 1.5))
+    first = w.session([("user", None, LIVE, 200)])
+    second = w.session([("user", None, LIVE, 200)])  # first -> offload
+    w.session([("user", None, LIVE, 200)])  # second -> offload, first's copy erased for room
+    assert w.residency.offload.copy_of(first.record.id) is None
+    assert w.residency.offload.copy_of(second.record.id) is not None
+    assert w.residency.offload.nbytes <= w.residency.offload.max_bytes
+    assert sum(p.stat().st_size for p in w.dir.iterdir()) == w.residency.offload.nbytes
+
+
+def test_accounted_bytes_never_exceed_the_budget_under_concurrent_turns(tiny_kernel, tmp_path):
+    one = per_session(tiny_kernel, 150)
+    w = World(tiny_kernel, tmp_path, budget=3 * one)
+    lives = [w.session([("user", None, LIVE, 150)]) for _ in range(8)]
+    peaks: list[int] = []
+    refused: list[int] = []
+
+    def agent(live: LiveSession) -> None:
+        for _ in range(6):
+            try:
+                w.turn(live, extra=50)
+            except GatewayError as err:
+                assert err.code == "kv_budget_exhausted" and err.retry_after
+                refused.append(1)
+            peaks.append(w.residency.used())
+
+    threads = [threading.Thread(target=agent, args=(live,)) for live in lives]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert max(peaks) <= w.residency.budget and w.residency.peak <= w.residency.budget
+    assert w.metrics.kv_evictions.labels("offloaded")._value.get() > 0
+    assert w.metrics.kv_resident_bytes._value.get() <= w.residency.budget

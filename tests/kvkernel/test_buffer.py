@@ -1,0 +1,43 @@
+"""The cache's buffer: exact reservation, trimming, wiping and the rows round trip the offload tier
+uses; none of them changes a bit of what the cache computes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvkernel import KernelError, KVCache
+
+
+def test_reserved_and_trimmed_buffers_compute_the_same_bits(tiny_kernel):
+    tokens = [(i * 13) % 250 + 3 for i in range(300)]
+    grown = tiny_kernel.prefill(tokens)  # the doubling buffer
+    exact = tiny_kernel.new_cache(0)
+    exact.reserve(len(tokens) + 20)
+    before = exact.capacity
+    exact.extend(tokens)
+    assert exact.capacity == before  # no reallocation inside the reservation
+    assert exact.digest() == grown.digest()
+    exact.fit()
+    assert exact.capacity == tiny_kernel.transformer.key_length(len(tokens)) < grown.capacity
+    assert torch.equal(exact.extend([7, 9]), grown.extend([7, 9])) and exact.digest() == grown.digest()
+    assert exact.nbytes <= exact.bytes_for(len(exact))
+
+
+def test_rows_round_trip_is_bit_exact_and_shape_checked(tiny_kernel):
+    cache = tiny_kernel.prefill([(i * 7) % 200 + 3 for i in range(150)])
+    tokens, rows, logits = cache.export_rows()
+    back = KVCache.from_rows(tiny_kernel, tokens, rows, logits)
+    assert back.digest() == cache.digest() and back.tokens == cache.tokens
+    for layer in range(rows.shape[1]):
+        for got, want in zip(back.layer_kv(layer), cache.layer_kv(layer)):
+            assert float((got - want).abs().max()) == 0.0
+    with pytest.raises(KernelError, match="do not fit"):
+        KVCache.from_rows(tiny_kernel, tokens[:-1], rows, logits)
+
+
+def test_wipe_zeroes_what_the_cache_held_and_holds_nothing(tiny_kernel):
+    cache = tiny_kernel.prefill(list(range(5, 100)))
+    buffer, logits = cache._kv, cache._logits
+    cache.wipe()
+    assert len(cache) == 0 and cache.nbytes == 0 and cache.logits is None
+    assert not buffer.any() and not logits.any()  # the released tensors carry no K/V or logits
