@@ -57,13 +57,12 @@ def compile_python(pattern: Pattern) -> re.Pattern:
 class MultiMatcher:
     """Compile once, scan many times from any thread."""
 
-    def __init__(self, patterns: list[Pattern], *, use_hyperscan: bool = True) -> None:
+    def __init__(self, patterns: list[Pattern]) -> None:
+        require_hyperscan()
         self.patterns = {p.ident: p for p in patterns}
         self._python = {p.ident: compile_python(p) for p in patterns}
         self._local = threading.local()
-        self._db = None
-        if use_hyperscan and HAVE_HYPERSCAN and patterns:
-            self._db = self._compile_hyperscan(patterns)
+        self._db = self._compile_hyperscan(patterns) if patterns else None
 
     @staticmethod
     def _flags(p: Pattern, prefilter: bool = False) -> int:
@@ -102,8 +101,7 @@ class MultiMatcher:
     @staticmethod
     def hyperscan_error(pattern: Pattern) -> str | None:
         """Why Hyperscan rejects ``pattern`` even as a prefilter (None when usable)."""
-        if not HAVE_HYPERSCAN:
-            return None
+        require_hyperscan()
         try:
             MultiMatcher._try_compile([pattern], [MultiMatcher._flags(pattern, prefilter=True)])
         except hyperscan.error as exc:
@@ -117,17 +115,14 @@ class MultiMatcher:
             self._local.scratch = scratch
         return scratch
 
-    def triggered(self, data: bytes, text: str | None = None) -> list[int]:
-        """Ids of the patterns that may match ``data`` (one Hyperscan pass over all of them).
+    def triggered(self, data: bytes) -> list[int]:
+        """Ids of the patterns that may match ``data`` (one Hyperscan pass over all of them)."""
+        return sorted(self._ends(data))
 
-        ``text`` is ``data`` decoded; the ``re`` fallback needs it for UTF-8 patterns."""
-        return sorted(self._ends(data, text))
-
-    def _ends(self, data: bytes, text: str | None) -> dict[int, list[int]]:
+    def _ends(self, data: bytes) -> dict[int, list[int]]:
         """Pattern id -> Hyperscan match end offsets (every end for windowed patterns, else one)."""
-        if self._db is None:
-            return {i: [] for i, rx in self._python.items()
-                    if rx.search(text if self.patterns[i].utf8 and text is not None else data)}
+        if self._db is None:  # no patterns
+            return {}
         hits: dict[int, list[int]] = {}
         self._db.scan(data, match_event_handler=lambda ident, _start, end, *_: hits.setdefault(ident, []).append(end),
                       scratch=self._scratch())
@@ -141,7 +136,7 @@ class MultiMatcher:
         is confirmed only in the ``window`` bytes before each Hyperscan match end, so its ``re``
         work is proportional to its matches, not to the document."""
         out = []
-        for ident, ends in sorted(self._ends(data, text).items()):
+        for ident, ends in sorted(self._ends(data).items()):
             p, rx = self.patterns[ident], self._python[ident]
             target = text if p.utf8 and text is not None else data
             if not p.window or not ends or target is not data:
@@ -181,7 +176,8 @@ class SpanMatcher:
         self.limit = limit
         self._dbs = {}
         self.has_start: dict[int, bool] = {}
-        for p in patterns if HAVE_HYPERSCAN else ():
+        require_hyperscan()
+        for p in patterns:
             base = MultiMatcher._flags(p) & ~hyperscan.HS_FLAG_SINGLEMATCH
             for flags, som in ((base | hyperscan.HS_FLAG_SOM_LEFTMOST, True), (base, False)):
                 try:

@@ -103,9 +103,9 @@ class HeuristicScanner:
 
     def scan(self, doc: Decoded, view: View, excerpt: Excerpt) -> list[Finding]:
         findings: list[Finding] = []
-        triggered = set(self.matcher.triggered(view.clean, view.text))
+        triggered = set(self.matcher.triggered(view.clean))
         if view.changed:
-            triggered |= {i for i in self.matcher.triggered(doc.clean, doc.text) if self.rules[i].id in self._ON_RAW}
+            triggered |= {i for i in self.matcher.triggered(doc.clean) if self.rules[i].id in self._ON_RAW}
         for ident in sorted(triggered):
             rule = self.rules[ident]
             if rule.regex:

@@ -200,11 +200,36 @@ class Conversation:
         found = self.used.get(key) or self._memo.get(key)
         if found is None:
             full = self._prefix_text(k + 1) if text is None else self._render([*self._plain[:k], {"role": role, "content": content}])
-            chunk_text = self._suffix(self._prefix_text(k), full)
-            encoded = self._tok(chunk_text, add_special_tokens=False, return_offsets_mapping=True)
-            found = Chunk(chunk_text, tuple(encoded["input_ids"]), tuple(map(tuple, encoded["offset_mapping"])))
+            found = self._tokenize(self._suffix(self._prefix_text(k), full), content)
         self.used[key] = found
         return found
+
+    def _tokenize(self, chunk_text: str, content: str) -> Chunk:
+        """Tokens of one rendered message: the template's framing read with its control tokens,
+        the content only ever as plain text.
+
+        Without this, `<|im_end|>` inside a tool result is the real end-of-turn token and the
+        result can close its own frame and open a forged `system` turn. A template that rewrote
+        the content so that it cannot be found is refused: its content cannot be kept as text.
+        """
+        at = chunk_text.find(content) if content else -1
+        if content and at < 0:
+            raise TemplateError("the chat template rewrites message content (e.g. trims it), so Lethe cannot "
+                                "keep the content apart from the template's control tokens; use a template "
+                                "that inserts content verbatim")
+        parts = [(chunk_text, False)] if at < 0 else \
+            [(chunk_text[:at], False), (content, True), (chunk_text[at + len(content):], False)]
+        ids: list[int] = []
+        offsets: list[tuple[int, int]] = []
+        base = 0
+        for text, plain in parts:
+            if text:
+                encoded = self._tok(text, add_special_tokens=False, return_offsets_mapping=True,
+                                    **({"split_special_tokens": True} if plain else {}))
+                ids.extend(encoded["input_ids"])
+                offsets.extend((s + base, e + base) for s, e in encoded["offset_mapping"])
+            base += len(text)
+        return Chunk(chunk_text, tuple(ids), tuple(offsets))
 
     @staticmethod
     def _suffix(before: str, full: str) -> str:
