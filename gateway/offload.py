@@ -295,6 +295,8 @@ class Offload:
         if data is None:
             raise ValueError("the copy is gone")
         try:
+            if hashlib.sha256(data).hexdigest() != copy.sha256:  # header (token ids) included
+                raise ValueError("the copy's bytes differ from those written at eviction (sha256)")
             return decode(kernel, data, copy.digest)
         finally:
             scrub(data)

@@ -95,7 +95,7 @@ class Residency:
         with fails_as("ledger"):
             mark = ledger_mark(self._ledger.segments(live.record.id))
         touched: dict[str, Any] = {}
-        copy = self.offload.copy_of(live.record.id) if self.offload else None
+        copy = self.offloaded(live)
         if copy is not None:
             touched["offload"] = {"sha256": copy.sha256, "tier": self.offload.tier.name,  # type: ignore[union-attr]
                                   "action": self._restore(live, copy, mark)}
@@ -105,6 +105,10 @@ class Residency:
             touched["resident"] = "wiped-stale"
         live.ledger_mark = mark if len(live.cache) else None
         return touched
+
+    def offloaded(self, live: LiveSession) -> OffloadCopy | None:
+        """The session's copy in the offload tier, if it is there (nothing is restored)."""
+        return self.offload.copy_of(live.record.id) if self.offload is not None else None
 
     def reserve(self, live: LiveSession, tokens: int) -> None:
         """Make room for `live` to hold `tokens` tokens (evicting others), then size its buffer."""
@@ -153,9 +157,14 @@ class Residency:
     # ---- eviction ------------------------------------------------------------------------------
 
     def _make_room(self, live: LiveSession, need: int) -> None:
+        """Evict idle sessions until `live` can hold `need` bytes, or refuse at once when even
+        evicting every idle session would not be enough: one caller's impossible request must not
+        flush every other tenant's sessions out of memory (red team)."""
         with self._lock:
             live.reserved = max(need, live.cache.nbytes)
             try:
+                if self._pinned() > self.budget:
+                    raise self._exhausted(live, need)
                 while self.used() > self.budget:
                     if not (self._evict_one(exclude=live) or self._sessions.prefixes.pop_oldest()):
                         raise self._exhausted(live, need)
@@ -165,12 +174,16 @@ class Residency:
             finally:
                 self._publish()
 
+    def _pinned(self) -> int:
+        """Bytes no eviction can free: the sessions mid-turn (this one's reservation included)."""
+        return sum(max(s.cache.nbytes, s.reserved) for s in self._sessions.all() if s.reserved)
+
     def _exhausted(self, live: LiveSession, need: int) -> GatewayError:
-        busy = sum(1 for s in self._sessions.all() if s is not live and s.reserved)
+        """The 503. Its message never says what other sessions hold: that is other tenants' business."""
         why = (f"this session alone needs {need} bytes of KV memory, more than the whole budget of {self.budget}"
-               if need > self.budget else
-               f"{busy} other session(s) are mid-turn and nothing idle is left to evict")
-        log.warning("kv.budget_exhausted", session=live.record.id, need=need, budget=self.budget, busy=busy)
+               if need > self.budget else "the sessions now mid-turn leave too little room")
+        log.warning("kv.budget_exhausted", session=live.record.id, need=need, budget=self.budget,
+                    pinned=self._pinned())
         return GatewayError(503, "kv_budget_exhausted",
                             f"KV memory budget exhausted: {why} (LETHE_KV_BUDGET_BYTES={self.budget}); retry "
                             "shortly, lower max_tokens, forget segments or raise the budget",

@@ -184,11 +184,15 @@ class Gateway:
         """Token count, cache digest and KV memory of a session: what an auditor compares."""
         record = self.sessions.scoped(principal, session_id)
         with self.sessions.resident(record).hold(self.p.lock_timeout_s) as live:
+            copy = self.residency.offloaded(live)
+            if copy is not None:  # a read must not restore it and evict others: its digest at eviction
+                return {"session_id": record.id, "tenant": record.tenant, "tokens": copy.tokens, "resident": False,
+                        "offloaded": True, "cache_digest": copy.digest, "kv": {"offloaded_bytes": copy.nbytes}}
             try:
-                self.residency.admit(live)  # an offloaded session comes back (verified) to be compared
+                self.residency.admit(live)  # a resident cache the ledger has moved past is wiped first
                 return {"session_id": record.id, "tenant": record.tenant, "tokens": len(live.cache),
-                        "resident": len(live.cache) > 0, "cache_digest": self.compute(live.cache.digest),
-                        "kv": live.cache.memory().to_dict()}
+                        "resident": len(live.cache) > 0, "offloaded": False,
+                        "cache_digest": self.compute(live.cache.digest), "kv": live.cache.memory().to_dict()}
             finally:
                 self.residency.settle(live)
 

@@ -136,6 +136,8 @@ def test_offloaded_session_restores_bit_exact_and_metrics_move(kv):
 
 def test_a_turn_that_cannot_fit_gets_503_with_retry_after_and_nothing_is_admitted(kv):
     http, gw, _ = kv
+    start(http, "bystander")  # another session, idle and resident
+    held = {s.record.id: len(s.cache) for s in gw.sessions.all() if len(s.cache)}
     gw.residency.budget = 4 * MB  # less than one turn of this model needs
     try:
         response = chat(http, tool_messages("toolarge"))
@@ -144,7 +146,9 @@ def test_a_turn_that_cannot_fit_gets_503_with_retry_after_and_nothing_is_admitte
         assert error["code"] == "kv_budget_exhausted" and "LETHE_KV_BUDGET_BYTES" in error["message"]
         refused = [s for s in gw.sessions.all() if not gw.p.ledger.segments(s.record.id)]
         assert len(refused) == 1 and refused[0].cache.nbytes == 0  # nothing of the turn was admitted
-        assert gw.residency.used() <= 4 * MB  # every idle session was evicted trying
+        # evicting could not have made room, so no one was evicted (red team: one impossible
+        # request flushed every tenant's sessions)
+        assert {s.record.id: len(s.cache) for s in gw.sessions.all() if len(s.cache)} == held
     finally:
         gw.residency.budget = BUDGET
 
@@ -195,3 +199,19 @@ def test_ending_an_offloaded_session_erases_its_copy(kv):
     record = http.get("/v1/audit/records", params={"session": sid, "kind": "kv-release"}).json()["records"][0]
     assert record["body"]["copies"]["offload"]["sha256"] == copy.sha256
     assert gw.sessions.get(sid) is None
+
+
+def test_reading_an_offloaded_session_neither_restores_it_nor_evicts_another(kv):
+    """GET /v1/sessions/{id} reports the copy's digest at eviction; it is a read, so it must not
+    churn the shared budget (red team: each GET restored the session and evicted another)."""
+    http, gw, _directory = kv
+    sid = start(http, "read")
+    digest = gw.cache(sid).digest()
+    evict(http, gw, sid, "readev")
+    restores, evictions = metric(http, "lethe_kv_restore_seconds_count"), gw.p.metrics.kv_evictions
+    before = sum(evictions.labels(to)._value.get() for to in ("offloaded", "dropped"))
+    body = http.get(f"/v1/sessions/{sid}").json()
+    assert (body["resident"], body["offloaded"], body["cache_digest"]) == (False, True, digest)
+    assert gw.residency.offload.copy_of(sid) is not None and len(gw.cache(sid)) == 0
+    assert metric(http, "lethe_kv_restore_seconds_count") == restores
+    assert sum(evictions.labels(to)._value.get() for to in ("offloaded", "dropped")) == before

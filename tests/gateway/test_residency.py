@@ -111,7 +111,10 @@ def test_a_session_bigger_than_the_whole_budget_gets_503_and_evicts_nobody(tiny_
     with pytest.raises(GatewayError) as err, big.lock:
         w.residency.reserve(big, 400)
     assert err.value.code == "kv_budget_exhausted" and "alone needs" in err.value.message
-    # evicting the small one could not have helped, but the budget still tried: it went first
+    # evicting the small one could not have helped, so it stays (red team: one impossible request
+    # flushed every other tenant's sessions)
+    assert len(small.cache) == 50 and w.metrics.kv_evictions.labels("dropped")._value.get() == 0
+    assert w.metrics.kv_evictions.labels("offloaded")._value.get() == 0
     assert w.residency.used() <= w.residency.budget
 
 
@@ -143,7 +146,7 @@ def test_restore_is_bit_exact_against_a_never_evicted_cache(tiny_kernel, tmp_pat
     assert copy.key not in w.residency.offload.tier.keys()  # (the other session is offloaded now)
 
 
-@pytest.mark.parametrize("damage", ["truncate", "flip", "empty"])
+@pytest.mark.parametrize("damage", ["truncate", "flip", "empty", "tokens"])
 def test_a_corrupted_or_truncated_copy_is_discarded_and_rebuilt(tiny_kernel, tmp_path, damage):
     one = per_session(tiny_kernel, 300)
     w = World(tiny_kernel, tmp_path, budget=one + one // 2)
@@ -155,6 +158,9 @@ def test_a_corrupted_or_truncated_copy_is_discarded_and_rebuilt(tiny_kernel, tmp
         data = data[: len(data) // 2]
     elif damage == "flip":
         data[-100] ^= 0x01  # one bit of the logits
+    elif damage == "tokens":  # the header's token ids, which the payload hash does not cover (red team)
+        at = data.index(b'"tokens":[') + len(b'"tokens":[')
+        data[at] = ord("1") if data[at] != ord("1") else ord("2")
     else:
         data = bytearray()
     path.write_bytes(bytes(data))
