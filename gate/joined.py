@@ -11,7 +11,8 @@ parts chain across several messages. The join is made twice when the boundary ha
 on either side: once directly ("ig" + "nore") and once with one space ("ignore" + "every"),
 because the model sees the two messages separated by template tokens. A finding of a joined scan
 that crosses a boundary is attributed to every part it overlaps, clipped to that part and given in
-that part's own byte offsets; findings inside one part come from that part's own scan. Cost:
+that part's own byte offsets, unless the later part's own scan already holds that rule over its
+share (the match only reached back); findings inside one part come from that part's own scan. Cost:
 at most three scans per part, each of at most ``len(part) + window + 1`` bytes, so the gate's
 linear time bound holds.
 """
@@ -59,7 +60,10 @@ def scan_joined(gate: Gate, parts: Sequence[bytes], *, window: int = JOIN_WINDOW
                 for f in gate.scan(tail + sep + part).findings:
                     if f.kind == "encoding" or not (f.byte_start < len(tail) and f.byte_end > boundary):
                         continue
-                    extra[i].append(_clip(f, boundary, boundary + len(part)))
+                    mine = _clip(f, boundary, boundary + len(part))
+                    if _explained(mine, own[i]):  # the match only reached back: part i holds it alone
+                        continue
+                    extra[i].append(mine)
                     for j, s in enumerate(starts):  # earlier parts the finding reaches into
                         lo, hi = s - cut, s - cut + len(parts[j])
                         if f.byte_start < hi and f.byte_end > max(lo, 0):
@@ -67,6 +71,15 @@ def scan_joined(gate: Gate, parts: Sequence[bytes], *, window: int = JOIN_WINDOW
         starts.append(len(history))
         history += part
     return tuple(_with(own[i], extra[i]) for i in range(len(parts)))
+
+
+def _explained(f: Finding, own: GateReport) -> bool:
+    """Whether part i's own scan already has ``f``'s rule over ``f``'s part-i bytes. Then the joined
+    match merely extended into the text before it (a greedy span reaching back over a preceding
+    `{}`), which is no evidence against the earlier part: blaming it would quarantine the harmless
+    tool call instead of, or besides, the result that holds the instruction (red team)."""
+    return any(g.rule_id == f.rule_id and g.byte_start <= f.byte_start and g.byte_end >= f.byte_end
+               for g in own.findings)
 
 
 def _with(report: GateReport, extra: list[Finding]) -> GateReport:

@@ -93,6 +93,13 @@ class ChatRequest(Wire):
     n: Literal[1] = 1
     user: str | None = None
     stream_options: StreamOptions | None = None
+    # Accepted and type-checked as OpenAI's API does, though generation does not use them: a
+    # client's `"logprobs": "true"` is refused like any mistyped field, never silently ignored.
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    parallel_tool_calls: bool | None = None
 
     @field_validator("stop")
     @classmethod

@@ -30,6 +30,7 @@ def test_out_of_range_fields_are_a_400_naming_the_field(live_gateway, field, val
     ("stream", "yes", "stream"), ("stream", 1, "stream"), ("max_tokens", "5", "max_tokens"),
     ("temperature", "1", "temperature"), ("seed", 1.0, "seed"), ("model", 5, "model"),
     ("stream_options", {"include_usage": "true"}, "stream_options.include_usage"),
+    ("logprobs", "true", "logprobs"), ("presence_penalty", "0", "presence_penalty"),
     ("messages", [*HI, {"role": "user", "content": 5}], "messages[1].content"),
     ("messages", [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": {}}}]}],
