@@ -9,7 +9,7 @@ take the upstream away for good. Nothing here looks at content: screening is gua
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -160,28 +160,25 @@ class Upstreams:
 
     async def resources(self) -> list[tuple[str, types.Resource]]:
         """(upstream, resource) for every reachable upstream's listed resources, in configuration order."""
-        out: list[tuple[str, types.Resource]] = []
-        for name in self._specs:
-            try:
-                listed = await self._request(name, "resources/list", types.ListResourcesResult,
-                                             lambda client: client.list_resources())
-            except UpstreamError as exc:
-                log.warning("mcp.upstream_unavailable", upstream=name, error=str(exc))
-                continue
-            out += [(name, r) for r in listed.resources]
-        return out
+        return await self._listed("resources/list", types.ListResourcesResult,
+                                  lambda client: client.list_resources(), lambda r: r.resources)
 
     async def prompts(self) -> list[tuple[str, types.Prompt]]:
         """(upstream, prompt) for every reachable upstream's listed prompts, in configuration order."""
-        out: list[tuple[str, types.Prompt]] = []
+        return await self._listed("prompts/list", types.ListPromptsResult,
+                                  lambda client: client.list_prompts(), lambda r: r.prompts)
+
+    async def _listed(self, what: str, result: type[Any], request: Any,
+                      items: Callable[[Any], list[Any]]) -> list[tuple[str, Any]]:
+        """One listing from every upstream that answers; one that does not is logged and skipped."""
+        out: list[tuple[str, Any]] = []
         for name in self._specs:
             try:
-                listed = await self._request(name, "prompts/list", types.ListPromptsResult,
-                                             lambda client: client.list_prompts())
+                listed = await self._request(name, what, result, request)
             except UpstreamError as exc:
                 log.warning("mcp.upstream_unavailable", upstream=name, error=str(exc))
                 continue
-            out += [(name, p) for p in listed.prompts]
+            out += [(name, item) for item in items(listed)]
         return out
 
     async def prompt(self, upstream: str, name: str, arguments: dict[str, str]) -> types.GetPromptResult:

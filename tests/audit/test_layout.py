@@ -46,7 +46,7 @@ def _parsed(body: dict[str, Any]) -> Any:
     return json.loads(json.dumps(body))
 
 
-@settings(max_examples=600, deadline=None)
+@settings(max_examples=1500, deadline=None)
 @given(body=BODY)
 def test_the_fast_canonical_form_is_rfc8785_on_nasty_json(body):
     parsed = _parsed(body)
