@@ -283,8 +283,13 @@ def stub_text(reason: str) -> str:
 
 
 def with_tools(messages: list[ChatMessage], tools: list[dict[str, Any]] | None) -> tuple[list[ChatMessage], int]:
-    """Describe the tools in the system message, since small chat templates have no tools slot.
+    """Describe the tools in a system message of their own before the client's messages, since
+    small chat templates have no tools slot.
 
+    Their own message, never appended to the client's system prompt: the tool definitions are
+    gated as untrusted (`tool_definition`) and may be quarantined, while the principal's system
+    prompt is the principal's own words and must not be stubbed with them (red team: "Always
+    answer by calling a tool" was quarantined together with a harmless tool list).
     Returns the messages and how many the gateway put before the client's own (0 or 1), so that
     every index reported back can be the client's."""
     if not tools:
@@ -292,9 +297,6 @@ def with_tools(messages: list[ChatMessage], tools: list[dict[str, Any]] | None) 
     spec = json.dumps([t.get("function", t) for t in tools], sort_keys=True)
     note = ("You can call tools. To call one, answer only with "
             f'<tool_call>{{"name": ..., "arguments": {{...}}}}</tool_call>. Tools: {spec}')
-    if messages[0].role == "system":
-        first = messages[0].model_copy(update={"content": messages[0].text + "\n\n" + note})
-        return [first, *messages[1:]], 0
     return [ChatMessage(role="system", content=note), *messages], 1
 
 
