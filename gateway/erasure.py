@@ -31,7 +31,7 @@ from .metrics import Metrics
 from .residency import Residency
 from .sessions import LiveSession, PrefixCache, Sessions
 from .tenants import Principal
-from .turn import PostTurn, Staged, Turn
+from .turn import Staged, Turn
 
 log = structlog.get_logger(__name__)
 
@@ -89,13 +89,16 @@ def segment_tokens(conv: Conversation, k: int, seg: Segment, content: ContentSto
 
 def turn_intents(staged: list[Staged], appended: Sequence[Segment]) -> list[tuple[str, dict[str, Any]]]:
     """What a turn owes once its rows are written, stored with them: its audit records (quarantine,
-    redact) and the forget of what the policy admitted for this turn only."""
+    redact), and the forget or amortize of what the policy admitted for this turn only. Stored, so
+    that a crash between the turn's commit and its end cannot leave that content live."""
     records = [{**s.audit, "segment_id": seg.id, "span": [seg.start, seg.end]}
                for s, seg in zip(staged, appended) if s.audit is not None]
-    forgets = {seg.id: {"action": s.action.action, "reasons": list(s.action.reasons)}
-               for s, seg in zip(staged, appended) if s.action is not None and s.action.action == "forget"}
+    owed = {kind: {seg.id: {"action": kind, "reasons": list(s.action.reasons),
+                            **({"stub": list(s.stub)} if kind == "amortize" else {})}
+                   for s, seg in zip(staged, appended) if s.action is not None and s.action.action == kind}
+            for kind in ("forget", "amortize")}
     return ([("audit", {"records": records})] if records else []) + \
-        ([("forget", {"segments": list(forgets), "decisions": forgets})] if forgets else [])
+        [(kind, {"segments": list(decisions), "decisions": decisions}) for kind, decisions in owed.items() if decisions]
 
 
 def intent_keys(intent: Intent, names: Sequence[str]) -> list[str]:
@@ -136,9 +139,9 @@ class Erasure:
             log.error("intent.done_failed", intent=intent.id, error=f"{type(exc).__name__}: {exc}")
 
     def post_turn(self, turn: Turn) -> list[dict[str, Any]]:
-        """Forget (exactly) what the policy admitted for this turn only (and do whatever else the
-        session still owes from before), or amortize it. The caller holds the session's lock."""
-        return self._settle_session(turn.live) + [self._amortize(turn.live, post) for post in turn.pending()]
+        """Forget (exactly) or amortize what the policy admitted for this turn only, and do whatever
+        else the session still owes from before (its intents). The caller holds the session's lock."""
+        return self._settle_session(turn.live)
 
     def settle(self) -> int:
         """Do what turns still owe, session by session under its lock: at start-up (after a crash)
@@ -165,13 +168,15 @@ class Erasure:
         """The session's intents, its audit records first; returns the forgets done."""
         with fails_as("ledger"):
             owed = sorted(self.ledger.pending_intents(session_id=live.record.id), key=lambda i: i.kind != "audit")
-        forgets = []
+        done: list[dict[str, Any]] = []
         for intent in owed:
             if intent.kind == "audit":
                 self.relay(intent)
+            elif intent.kind == "amortize":
+                done.extend(self._amortize_owed(live, intent))
             else:
-                forgets.append(self._forget_owed(live, intent))
-        return forgets
+                done.append(self._forget_owed(live, intent))
+        return done
 
     def _forget_owed(self, live: LiveSession, intent: Intent) -> dict[str, Any]:
         """A forget a turn owes, keyed to its intent. A cache lost with the process is rebuilt from
@@ -185,6 +190,22 @@ class Erasure:
             return self.forget(live, segments, kind=CONTENT_ERASE, actor="policy", intent=intent)
         return self.forget(live, segments, kind="forget", actor="policy", decisions=intent.payload["decisions"],
                            intent=intent)
+
+    def _amortize_owed(self, live: LiveSession, intent: Intent) -> list[dict[str, Any]]:
+        """The amortizations a turn owes, keyed to its intent. A cache lost with the process is
+        rebuilt from the ledger first; if it cannot be (the ledger no longer renders to its own
+        token counts), the content is erased instead (`content-erase`): stronger than the splice
+        the policy asked for, never weaker. Segments already amortized only get their record."""
+        with fails_as("ledger"):
+            current = {s.id: s for s in self.ledger.segments(live.record.id)}
+        segments = [current[i] for i in intent.payload["segments"] if i in current]
+        todo = [s for s in segments if s.state is SegmentState.LIVE and s.n_tokens]
+        if todo and not len(live.cache) and not self._rebuild(live, list(current.values())):
+            return [self.forget(live, todo, kind=CONTENT_ERASE, actor="policy", intent=intent)]
+        keys = iter(intent_keys(intent, [s.id for s in todo]))
+        results = [self._amortize(live, seg, intent.payload["decisions"][seg.id], next(keys)) for seg in todo]
+        self._done(intent)
+        return results
 
     def _rebuild(self, live: LiveSession, segments: list[Segment]) -> bool:
         """Prefill the session's cache with what its ledger says it holds; False (cache left empty)
@@ -301,19 +322,19 @@ class Erasure:
         if intent is not None:
             self._done(intent)
 
-    def _amortize(self, live: LiveSession, post: PostTurn) -> dict[str, Any]:
+    def _amortize(self, live: LiveSession, seg: Segment, decision: dict[str, Any], key: str) -> dict[str, Any]:
         """Leyline splice: the span is replaced by its stub, positions fixed. NOT erasure."""
-        seg = post.segment
+        stub = tuple(decision["stub"])
         started = time.perf_counter()
         with fails_as("kernel"):
-            result = self._compute(live.cache.amortize, (seg.start, seg.end), post.stub)
+            result = self._compute(live.cache.amortize, (seg.start, seg.end), stub)
         elapsed = time.perf_counter() - started
         with fails_as("ledger"):
-            self.ledger.amortize(live.record.id, seg.id, len(post.stub), stub_text(stub_reason_of(seg)).encode())
+            self.ledger.amortize(live.record.id, seg.id, len(stub), stub_text(stub_reason_of(seg)).encode())
         witness = result.witness.to_dict()
-        decision = {"action": post.action.action, "reasons": list(post.action.reasons)}
-        indices = self.append_records([self._erasure_record("amortize", live.record, seg, "policy", witness,
-                                                            decision)])
+        indices = self.append_records([self._erasure_record(
+            "amortize", live.record, seg, "policy", witness,
+            {"action": decision["action"], "reasons": decision["reasons"]})], [key])
         return {"kind": "amortize", "segments": [seg.id], "audit_indices": indices, "witness": witness,
                 "latency_ms": round(elapsed * 1e3, 3), "erasure": False}
 

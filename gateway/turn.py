@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from ledger import NewSegment, Segment, TurnWrite
+from ledger import NewSegment, TurnWrite
 
 from .sessions import LiveSession
 
@@ -59,15 +59,6 @@ class Staged:
     audit: dict[str, Any] | None = None  # the quarantine record's body, less segment id and span
 
 
-@dataclass(frozen=True)
-class PostTurn:
-    """A tool result admitted for this turn only and amortized once the reply is out."""
-
-    segment: Segment
-    action: Action
-    stub: tuple[int, ...]
-
-
 @dataclass
 class Turn:
     live: LiveSession
@@ -88,13 +79,6 @@ class Turn:
     @property
     def actions(self) -> list[Action]:
         return [s.action for s in self.staged if s.action is not None]
-
-    def pending(self) -> list[PostTurn]:
-        """The amortizations this turn owes (its forgets are ledger intents: `Erasure.post_turn`)."""
-        if self.write is None or not self.committed:
-            return []
-        return [PostTurn(seg, s.action, s.stub) for s, seg in zip(self.staged, self.write.appended)
-                if s.action is not None and s.action.action == "amortize"]
 
     def end(self, outcome: str, ops: "TurnOps") -> list[dict[str, Any]]:
         """End the turn (once): drop the generation; commit a turn that generated, or roll back one

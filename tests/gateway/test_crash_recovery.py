@@ -87,7 +87,7 @@ class Server:
     def client(self, key: str | None = None) -> httpx.Client:
         return httpx.Client(base_url=self.base, headers={"Authorization": f"Bearer {key or self.key}"}, timeout=300)
 
-    def crash_mid_turn(self, *results: str) -> str:
+    def crash_mid_turn(self, *results: str, key: str | None = None) -> str:
         """Start a streamed turn carrying tool `results`, wait for its headers (its ledger write is
         committed and it is parked), SIGKILL the server; returns the session id."""
         calls = [{"id": f"c{i}", "type": "function", "function": {"name": "read_file", "arguments": "{}"}}
@@ -96,7 +96,7 @@ class Server:
                                                                    "tool_calls": calls},
                     *({"role": "tool", "tool_call_id": c["id"], "content": r} for c, r in zip(calls, results))]
         body = {"model": "m", "stream": True, "max_tokens": 4, "messages": messages}
-        with self.client() as http, http.stream("POST", "/v1/chat/completions", json=body) as response:
+        with self.client(key) as http, http.stream("POST", "/v1/chat/completions", json=body) as response:
             assert response.status_code == 200
             sid = response.headers["x-lethe-session"]
             self.kill()
@@ -108,6 +108,9 @@ def _model_cache() -> Path:
 
 
 SECRET = f"{CONFIG_FILE}# crash recovery\n"  # admitted for the turn only (policy `forget`)
+# another key of the same format for the amortizing tenant: amortize keeps the original content in
+# the ledger (not erasure), which must not be mistaken for the forgotten secret's bytes
+AMORTIZED = SECRET.replace(LEAKED_KEY, "sk-proj-" + "".join(part[::-1] for part in LEAKED_KEY[8:].partition("T3BlbkFJ")))
 
 
 @dataclass
@@ -115,6 +118,8 @@ class Crashed:
     server: Server
     session: str
     at_rest_before_restart: bool  # the secret's bytes were in the database files when it died
+    amortized: str  # a session of a tenant whose policy amortizes secrets, killed the same way
+    amortizer_key: str
 
 
 @pytest.fixture(scope="module")
@@ -124,19 +129,24 @@ def crashed(tmp_path_factory) -> Iterator[Crashed]:
     data = tmp_path_factory.mktemp("crash")
     bundle = demo_bundle(data / "policies")
     (bundle / "data" / "tenants.json").write_text(json.dumps(
-        {"lethe": {"tenants": {"crash": {"sensitive_action": "forget"}}}}))
+        {"lethe": {"tenants": {"crash": {"sensitive_action": "forget"},
+                               "crash-am": {"sensitive_action": "amortize", "amortize_opt_in": True}}}}))
     plans = _model_cache().parent / "kernel-plans"  # a plan calibrated on this machine: skip calibrating
     if plans.is_dir():
         shutil.copytree(plans, data / "kernel-plans")
     store = TenantStore.from_url(f"sqlite:///{data / 'lethe.db'}")
     store.create_tenant("crash")
+    store.create_tenant("crash-am")
+    amortizer = store.create_key("crash-am", user="al", admin=True)
     srv = Server(data, store.create_key("crash", user="cy", admin=True), store.create_key(None, admin=True))
     try:
         srv.start(hold=True)
         sid = srv.crash_mid_turn(SECRET, WEB_PAGE)
         at_rest = any(LEAKED_KEY.encode() in p.read_bytes() for p in _files(data))
+        srv.start(hold=True)  # what the first turn owed is done before this start is ready
+        amortized = srv.crash_mid_turn(AMORTIZED, key=amortizer)
         srv.start(hold=False)
-        yield Crashed(srv, sid, at_rest)
+        yield Crashed(srv, sid, at_rest, amortized, amortizer)
     finally:
         srv.stop()
 
@@ -201,3 +211,18 @@ def test_the_audit_records_owed_by_a_crashed_turn_are_appended_at_restart(crashe
 
 def test_the_session_is_usable_after_the_restart(crashed: Crashed) -> None:
     _usable(crashed.server, crashed.session)
+
+
+def test_an_amortize_owed_by_a_crashed_turn_is_done_before_the_restart_is_ready(crashed: Crashed) -> None:
+    """Amortize is not erasure, but what the policy admitted for one turn must not stay live in
+    the cache after it: the splice is a ledger intent too, done on a cache rebuilt from the ledger."""
+    server, sid = crashed.server, crashed.amortized
+    with server.client(crashed.amortizer_key) as http:
+        segments = http.get(f"/v1/sessions/{sid}/segments").json()["segments"]
+        records = http.get("/v1/audit/records", params={"session": sid, "kind": "amortize"}).json()["records"]
+    digest = hashlib.sha256(AMORTIZED.encode()).hexdigest()
+    (seg,) = [s for s in segments if s["content_sha256"] == digest]
+    assert seg["state"] == "amortized"
+    (record,) = records
+    assert record["body"]["segment_id"] == seg["id"] and record["body"]["witness"]
+    _log_verifies(server)
