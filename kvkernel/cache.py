@@ -39,7 +39,7 @@ from kvkernel.errors import KernelError, SpanError, StateError
 from kvkernel.forward import Transformer, rope_table
 from kvkernel.model import Model
 from kvkernel.plan import TORCH, Plan, Primitives
-from kvkernel.witness import AmortizeWitness, ForgetWitness, divergence, env_fingerprint, tokens_sha256
+from kvkernel.witness import AmortizeWitness, ForgetWitness, divergence, tokens_sha256
 
 log = structlog.get_logger(__name__)
 
