@@ -12,7 +12,11 @@ on either side: once directly ("ig" + "nore") and once with one space ("ignore" 
 because the model sees the two messages separated by template tokens. A finding of a joined scan
 that crosses a boundary is attributed to every part it overlaps, clipped to that part and given in
 that part's own byte offsets, unless the later part's own scan already holds that rule over its
-share (the match only reached back); findings inside one part come from that part's own scan. Cost:
+share (an injection match that only reached back). A secret is never excused that way: its span is
+the secret itself, so every part holding one of its bytes gets a finding over exactly those bytes,
+however little of the secret it holds (a fragment need not look like a secret on its own), and the
+secret action (redact, forget) then covers every fragment. Findings inside one part come from that
+part's own scan. Cost:
 at most three scans per part, each of at most ``len(part) + window + 1`` bytes, so the gate's
 linear time bound holds.
 """
@@ -61,7 +65,7 @@ def scan_joined(gate: Gate, parts: Sequence[bytes], *, window: int = JOIN_WINDOW
                     if f.kind == "encoding" or not (f.byte_start < len(tail) and f.byte_end > boundary):
                         continue
                     mine = _clip(f, boundary, boundary + len(part))
-                    if _explained(mine, own[i]):  # the match only reached back: part i holds it alone
+                    if f.kind != "secret" and _explained(mine, own[i]):  # reached back: part i holds it alone
                         continue
                     extra[i].append(mine)
                     for j, s in enumerate(starts):  # earlier parts the finding reaches into

@@ -350,10 +350,12 @@ class Pipeline:
         self._admit_plain(turn, batch_msgs, batch)
 
     def _scan(self, new: list[RenderedMessage], channels: list[str]) -> list[tuple[GateReport, GateReport]]:
-        """The gate's report of each message, and its report of the message alone. A run of adjacent messages that starts at untrusted
-        content (a tool result, an assistant turn, tool definitions or call arguments) and goes on
-        while the message before is untrusted is scored joined (`Gate.scan_joined`), so an
-        instruction split across the boundary is caught on both sides."""
+        """The gate's report of each message, and its report of the message alone. A run of adjacent
+        messages that starts at untrusted content (a tool result, an assistant turn, tool definitions
+        or call arguments) and goes on while the message before is untrusted is scored joined
+        (`Gate.scan_joined`), so an instruction split across the boundary is caught on both sides,
+        and a secret split across it is a secret in every message holding a byte of it (red team:
+        a key cut into three results was allow, forget, allow, and the outer fragments stayed)."""
         reports: list[tuple[GateReport, GateReport]] = []
         run: list[RenderedMessage] = []
         for m, channel in zip(new, channels):
@@ -372,7 +374,7 @@ class Pipeline:
         if len(run) < 2:
             return list(zip(alone, alone))
         joined = self.p.gate.scan_joined([m.content for m in run])
-        return [(j if j.injection > a.injection else a, a) for j, a in zip(joined, alone)]
+        return list(zip(joined, alone))  # a joined report holds the part's own findings and more
 
     def _quarantined_hashes(self, live: LiveSession) -> list[str]:
         """The content hashes of the session's quarantined segments: refused again on any channel."""

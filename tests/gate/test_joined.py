@@ -94,3 +94,30 @@ def test_an_instruction_whole_in_one_part_is_not_blamed_on_the_harmless_part_bef
     call, answer = gate.scan_joined([b"{}", result])
     assert call.injection == 0.0 and not call.findings
     assert answer.injection == gate.scan(result).injection
+
+
+def test_a_secret_cut_into_three_parts_is_attributed_to_each_parts_own_fragment(gate: Gate) -> None:
+    """Every part holding bytes of the secret gets a secret finding over exactly those bytes, even
+    a fragment too short to look like a secret (red team: the outer parts of a three-way split
+    were allowed and kept in the ledger)."""
+    (rule,) = [r for r in load_rules()[0] if r.id == "aws-access-key-id"]
+    key = b"AKIAPTGZ6JFEBZSDOXRL"
+    for cut in ((3, 12), (10, 17), (4, 5)):
+        parts = [b"id = " + key[:cut[0]], key[cut[0]:cut[1]], key[cut[1]:] + b"\n"]
+        reports = gate.scan_joined(parts)
+        spans = [[f for f in r.findings if f.rule_id == rule.id] for r in reports]
+        assert all(len(s) == 1 and r.secret >= rule.score for s, r in zip(spans, reports))
+        assert b"".join(p[s[0].byte_start : s[0].byte_end] for p, s in zip(parts, spans)) == key
+
+
+def test_a_secret_match_reaching_back_is_never_excused_as_the_later_parts_own(tmp_path) -> None:
+    """A greedy secret rule the later part matches on its own (40+ hex digits) still puts the
+    earlier part's leading digits in the earlier part: they are bytes of the same secret."""
+    cfg = tmp_path / "gitleaks.toml"
+    cfg.write_text("[[rules]]\nid = \"hex-key\"\nregex = '''\\b([0-9a-f]{40,64})\\b'''\nsecretGroup = 1\n")
+    hexkey = b"3f9a1c7e5b2d8f4a6c0e9b1d7f3a5c8e2b4d6f1a9c3e5b7d0a2c4e6b8d1f"
+    parts = [b"digest " + hexkey[:10], hexkey[10:]]
+    first, second = Gate(gitleaks_config=cfg, learned=False).scan_joined(parts)
+    (held,) = [f for f in first.findings if f.kind == "secret"]
+    assert parts[0][held.byte_start : held.byte_end] == hexkey[:10]
+    assert any(f.kind == "secret" and f.byte_start == 0 for f in second.findings)
