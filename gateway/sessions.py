@@ -170,7 +170,7 @@ class Sessions:
             return self.resident(record)
         with self._lock:
             live = self._resident.get(session_id)
-        if live is not None and live.record.tenant == principal.tenant and self.may_see(principal, live.record):
+        if live is not None and live.record.tenant == principal.tenant and principal.may_see(self._policy, live.record):
             return live
         return self.resident(self.scoped(principal, session_id))
 
@@ -180,31 +180,14 @@ class Sessions:
         with fails_as("ledger"):
             record = self._ledger.get_session(session_id, None if principal.is_admin and principal.tenant is None
                                               else principal.tenant)
-        if record is None or not self.may_see(principal, record):
+        if record is None or not principal.may_see(self._policy, record):
             raise not_found("session", session_id)
         return record
-
-    def owner_only(self, principal: Principal) -> bool:
-        """Whether the caller sees only its own sessions: a non-admin of a tenant whose cache scope
-        is per user (`tenant_user`, the default). A tenancy the policy cannot answer counts as per
-        user (the closed side)."""
-        if principal.is_admin:
-            return False
-        try:
-            with fails_as("policy"):
-                scope = self._policy.tenancy({"tenant": principal.tenant, "user": principal.user,
-                                              "public_prefix": False}).scope
-        except GatewayError:
-            return True
-        return scope == "tenant_user"
-
-    def may_see(self, principal: Principal, record: SessionRecord) -> bool:
-        return not self.owner_only(principal) or (record.user is not None and record.user == principal.user)
 
     def audit_filter(self, principal: Principal) -> Callable[[dict[str, Any]], bool] | None:
         """For a caller who sees only its own sessions: whether an audit record body is about one
         of them (or about no session). None when the tenant scoping of the audit API suffices."""
-        if not self.owner_only(principal):
+        if not principal.owner_only(self._policy):
             return None
         owners: dict[str, str | None] = {}
 

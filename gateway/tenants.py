@@ -11,11 +11,15 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Boolean, Column, DateTime, ForeignKey, MetaData, String, Table, create_engine, insert, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
+
+if TYPE_CHECKING:
+    from ledger import SessionRecord
+    from policies import PolicyEngine
 
 KEY_PREFIX = "lth_"
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
@@ -50,6 +54,22 @@ class Principal:
         """Only the global admin sees every tenant's audit records; a tenant admin sees its own;
         `sees` narrows a user's view to its own sessions (see Sessions.audit_filter)."""
         return AuditViewer(tenant=self.tenant or "", is_admin=self.is_admin and self.tenant is None, sees=sees)
+
+    def owner_only(self, policy: "PolicyEngine") -> bool:
+        """Whether this caller sees only its own sessions: a non-admin of a tenant whose cache scope
+        is per user (`tenant_user`, the default). A tenancy the policy cannot answer counts as per
+        user (the closed side). One rule for the chat API and the MCP proxy."""
+        if self.is_admin:
+            return False
+        try:
+            scope = policy.tenancy({"tenant": self.tenant, "user": self.user, "public_prefix": False}).scope
+        except Exception:  # noqa: BLE001 - any policy failure closes the view, never widens it
+            return True
+        return scope == "tenant_user"
+
+    def may_see(self, policy: "PolicyEngine", record: "SessionRecord") -> bool:
+        """Whether this caller may see `record`, a session of its own tenant."""
+        return not self.owner_only(policy) or (record.user is not None and record.user == self.user)
 
     def policy_actor(self) -> dict[str, object]:
         roles = list(self.roles) + (["tenant_admin"] if self.is_admin and self.tenant else [])

@@ -130,13 +130,22 @@ class Proxy:
     async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
 
+    def sees_session(self, principal: Principal, session_id: str) -> bool:
+        """Whether the caller may see this chat session: its tenant's, and its own where the tenancy
+        is per user (the chat API's rule, `Principal.may_see`)."""
+        record = self.ledger.get_session(session_id, principal.tenant)
+        return record is not None and principal.may_see(self.guard.policy, record)
+
     def linked_session(self, principal: Principal, session_id: str | None) -> str | None:
-        """The chat session to link results to; another tenant's (or an unknown) id is refused."""
+        """The chat session to link results to; one the caller cannot see (or an unknown id) is refused."""
         if session_id is None:
             return None
-        if self.ledger.get_session(session_id, principal.tenant) is None:
-            raise MCPError(types.INVALID_PARAMS, f"session {session_id!r} is not one of this tenant's chat "
-                                                 "sessions; send the x-lethe-session the chat endpoint returned")
+        if not self.sees_session(principal, session_id):
+            raise MCPError(types.INVALID_PARAMS, f"session {session_id!r} is not one of this caller's chat "
+                                                 "sessions (another tenant's, another user's where the tenant is "
+                                                 "scoped per user, or unknown); send the x-lethe-session the chat "
+                                                 "endpoint returned to this key (stdio: start with --user, the "
+                                                 "session's owner)")
         return session_id
 
     async def call(self, caller: Caller, name: str, arguments: dict[str, Any]) -> types.CallToolResult:

@@ -86,8 +86,13 @@ def http_app(proxy: Proxy, tenants: TenantStore, host: str = "127.0.0.1") -> ASG
     """The MCP endpoint at `/mcp`, and `GET /v1/mcp/crossings`: the caller's tenant's decisions."""
 
     async def crossings(request: Request) -> JSONResponse:
+        """404 for a session the caller cannot see (another tenant's, another user's, unknown), as
+        the chat API answers: an empty list would tell that the id exists nowhere near the caller."""
         principal: Principal = request.scope[PRINCIPAL]
         session = request.query_params.get("session")
+        if session is not None and not await anyio.to_thread.run_sync(proxy.sees_session, principal, session):
+            return _error(404, "session_not_found", f"session {session!r} not found for this caller; list "
+                                                    "crossings without ?session=, or use a session id of your own")
         rows = await anyio.to_thread.run_sync(lambda: proxy.ledger.crossings.list(principal.tenant or "", session))
         return JSONResponse({"crossings": [r.to_dict() for r in rows]})
 

@@ -101,7 +101,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         tenants.create_tenant(name)
     keys = {name: tenants.create_key(name, user="agent") for name in ("acme", "globex")}
     dep = Deployment(data, env, keys)
-    dep.ledger().create_session("ses_acme_chat", "acme")
+    dep.ledger().create_session("ses_acme_chat", "acme", "agent")  # the acme key's user owns it
     upstream = subprocess.Popen([PY, str(FIXTURE), "--port", str(UPSTREAM_PORT)], env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     proxy = subprocess.Popen([PY, "-m", "gateway.cli", "mcp", "--http", "--port", str(PROXY_PORT),
@@ -334,8 +334,25 @@ def test_tenant_b_cannot_see_or_link_to_tenant_a(deployment: Deployment, http_ru
     assert all(c["tenant"] == "globex" for c in theirs)
     assert not {c["id"] for c in mine} & {c["id"] for c in theirs}
     got = anyio.run(_over_http, deployment, "globex", [("linked", "fx__weather", {"city": "x"})], "ses_acme_chat")
-    assert got["linked"].result is None and "not one of this tenant's chat sessions" in got["linked"].error
+    assert got["linked"].result is None and "not one of this caller's chat sessions" in got["linked"].error
     assert not [r for r in deployment.audit().list(tenant="globex") if r.body.get("session") == "ses_acme_chat"]
+
+
+def test_crossings_of_a_session_the_caller_cannot_see_are_404_not_an_empty_list(deployment: Deployment,
+                                                                               http_run: dict[str, Any]) -> None:
+    """Another tenant's session, another user's (acme is scoped per user) and an unknown id all
+    answer alike, so the listing does not tell which ids exist."""
+    crossings = f"http://127.0.0.1:{PROXY_PORT}/v1/mcp/crossings"
+    other_user = TenantStore.from_url(deployment.db_url).create_key("acme", user="mallory")
+    own = httpx.get(crossings, params={"session": "ses_acme_chat"},
+                    headers={"Authorization": f"Bearer {deployment.keys['acme']}"})
+    assert own.status_code == 200 and own.json()["crossings"]
+    for key, session in ((deployment.keys["globex"], "ses_acme_chat"), (other_user, "ses_acme_chat"),
+                         (deployment.keys["acme"], "ses_nobody")):
+        response = httpx.get(crossings, params={"session": session}, headers={"Authorization": f"Bearer {key}"})
+        assert response.status_code == 404, response.text
+        error = response.json()["error"]
+        assert error["code"] == "session_not_found" and error["type"] == "invalid_request_error"
 
 
 def test_non_text_rules_are_per_tenant(deployment: Deployment, http_run: dict[str, Any]) -> None:
