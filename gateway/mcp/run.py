@@ -12,13 +12,17 @@ from ..config import Settings
 from ..tenants import Principal, TenantStore
 from .guard import Guard
 from .proxy import Proxy
-from .settings import McpSettings
+from .settings import McpSettings, UpstreamConfigError
 from .transport import http_app, serve_stdio
 
 
 def build(settings: Settings, upstream_flags: list[str] | None = None) -> tuple[Proxy, TenantStore]:
     """The proxy over this deployment's gate, policy, ledger and audit log (the chat endpoint's own stores)."""
     s = settings
+    try:
+        mcp = McpSettings.from_settings(s, upstream_flags)
+    except UpstreamConfigError as exc:  # a configuration slip: one line, no traceback
+        raise SystemExit(f"lethe mcp: {exc}") from None
     s.data_dir.mkdir(parents=True, exist_ok=True)
     ledger = Ledger(s.db_url, check_invariants=s.debug)
     signer = Signer.from_pem(s.audit_key_pem) if s.audit_key_pem else \
@@ -26,7 +30,6 @@ def build(settings: Settings, upstream_flags: list[str] | None = None) -> tuple[
     audit = AuditLog(s.audit_db_url, signer, origin=s.audit_origin, batch_size=s.audit_batch_size)
     policy = PolicyEngine(s.policy_dir, backend=s.policy_backend, opa_url=s.opa_url, timeout_s=s.opa_timeout_s,
                           retries=s.opa_retries)
-    mcp = McpSettings.from_settings(s, upstream_flags)
     guard = Guard(Gate(gitleaks_config=s.gitleaks_config), policy, ledger, audit, mcp.max_result_bytes)
     return Proxy(mcp, guard, ledger), TenantStore.from_url(s.db_url, s.admin_key)
 

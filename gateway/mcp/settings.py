@@ -10,7 +10,7 @@ import shlex
 from typing import Any
 from urllib.parse import quote, unquote
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from ..config import Settings
 
@@ -42,14 +42,46 @@ class UpstreamSpec(BaseModel):
         return "stdio" if self.command is not None else "http"
 
 
+NAME_RULE = "1 to 32 characters of a-z, 0-9 and '-', starting with a letter or digit (no '_': '__' " \
+            "separates the upstream from the tool in exported names)"
+
+
+class UpstreamConfigError(ValueError):
+    """An upstream given wrongly (an `--upstream` flag or lethe.toml): one line that names the fix."""
+
+
+def _one_line(where: str, exc: ValidationError) -> UpstreamConfigError:
+    """pydantic's report, one error per clause on one line, the name rule spelled out."""
+    clauses = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"])
+        if field == "name" and err["type"] == "string_pattern_mismatch":
+            clauses.append(f"upstream name {err['input']!r} must be {NAME_RULE}")
+        else:
+            clauses.append(f"{field + ': ' if field else ''}{err['msg'].removeprefix('Value error, ')}")
+    return UpstreamConfigError(f"{where + ': ' if where else ''}{'; '.join(clauses)}")
+
+
+def _spec(where: str, fields: Any) -> UpstreamSpec:
+    try:
+        return UpstreamSpec.model_validate(fields)
+    except ValidationError as exc:
+        raise _one_line(where, exc) from None
+
+
 def parse_flag(flag: str) -> UpstreamSpec:
     """`NAME=COMMAND ARGS...` (stdio, split like a shell) or `NAME=http(s)://...` (streamable HTTP)."""
+    where = f"--upstream {flag!r}"
     name, sep, target = flag.partition("=")
     if not sep or not target.strip():
-        raise ValueError(f"--upstream {flag!r}: write NAME=COMMAND ARGS... or NAME=https://host/mcp")
+        raise UpstreamConfigError(f"{where}: write NAME=COMMAND ARGS... or NAME=https://host/mcp")
     if target.startswith(("http://", "https://")):
-        return UpstreamSpec(name=name, url=target)
-    return UpstreamSpec(name=name, command=shlex.split(target))
+        return _spec(where, {"name": name, "url": target})
+    try:
+        command = shlex.split(target)
+    except ValueError as exc:
+        raise UpstreamConfigError(f"{where}: cannot split the command ({exc}); quote it as a shell would") from None
+    return _spec(where, {"name": name, "command": command})
 
 
 class McpSettings(BaseModel):
@@ -70,10 +102,15 @@ class McpSettings(BaseModel):
 
     @classmethod
     def from_settings(cls, settings: Settings, flags: list[str] | None = None) -> "McpSettings":
-        specs: list[Any] = [UpstreamSpec.model_validate(u) for u in settings.mcp_upstreams]
+        """Raises UpstreamConfigError (one line, naming the fix) for any upstream given wrongly."""
+        specs = [_spec(f"lethe.toml [[mcp_upstreams]] #{i + 1}", u) for i, u in enumerate(settings.mcp_upstreams)]
         specs += [parse_flag(f) for f in flags or ()]
-        return cls(upstreams=specs, call_timeout_s=settings.mcp_call_timeout_s,
-                   connect_timeout_s=settings.mcp_connect_timeout_s, max_result_bytes=settings.mcp_max_result_bytes)
+        try:
+            return cls(upstreams=specs, call_timeout_s=settings.mcp_call_timeout_s,
+                       connect_timeout_s=settings.mcp_connect_timeout_s,
+                       max_result_bytes=settings.mcp_max_result_bytes)
+        except ValidationError as exc:
+            raise _one_line("", exc) from None
 
 
 def exported_name(upstream: str, tool: str) -> str:

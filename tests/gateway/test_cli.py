@@ -76,3 +76,18 @@ def test_an_unknown_plan_name_is_refused_with_the_choices():
     result = CliRunner().invoke(cli, ["bench", "kernel", "--plan", "fastest", "--json"])
     assert result.exit_code != 0
     assert "unknown kernel plan 'fastest'" in str(result.exception) and "fallback-m<M>" in str(result.exception)
+
+
+@pytest.mark.parametrize(("flag", "names"), [
+    ("Bad_Name=echo hi", "upstream name 'Bad_Name' must be 1 to 32 characters of a-z, 0-9 and '-'"),
+    ("fx__tools=http://127.0.0.1:9/mcp", "upstream name 'fx__tools' must be"),
+    ("no-equals-sign", "write NAME=COMMAND ARGS... or NAME=https://host/mcp"),
+    ("fx=", "write NAME=COMMAND ARGS... or NAME=https://host/mcp"),
+    ("fx=python 'unterminated", "cannot split the command (No closing quotation); quote it as a shell would"),
+])
+def test_a_wrong_upstream_flag_is_one_line_naming_the_fix_without_a_traceback(tmp_path, flag, names):
+    result = CliRunner().invoke(cli, ["mcp", "--tenant", "acme", "--upstream", flag],
+                                env={"LETHE_DATA_DIR": str(tmp_path)})
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit)
+    (line,) = result.output.strip().splitlines()
+    assert line.startswith(f"lethe mcp: --upstream {flag!r}: ") and names in line
