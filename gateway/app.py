@@ -76,9 +76,15 @@ def create_app(settings: Settings | None = None, *, model: Model | None = None) 
         return error_response(GatewayError(err.status_code, code, f"{component}: {err.detail}"))
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, err: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
         """A 400 as OpenAI sends it, naming the first offending field as the client wrote it."""
         first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid request", "type": ""}
+        if unread_body(first):
+            sent = request.headers.get("content-type")
+            return error_response(GatewayError(
+                400, "unsupported_content_type",
+                f"the body was not read as JSON: the request has {f'Content-Type {sent}' if sent else 'no Content-Type'}; "
+                "send `Content-Type: application/json`"))
         param = param_of(first)
         return error_response(GatewayError(400, "invalid_request", f"{param}: {first['msg']}", param=param))
 
@@ -201,6 +207,12 @@ def create_app(settings: Settings | None = None, *, model: Model | None = None) 
 _WHERE = frozenset({"body", "path", "query", "header", "cookie"})
 _FIELD = re.compile(r"[a-z_][a-z0-9_]*")
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "tuple", "set"})
+
+
+def unread_body(error: Mapping[str, Any]) -> bool:
+    """Whether the body reached validation as raw bytes: FastAPI parses JSON only when the
+    Content-Type says so (none, text/plain and forms are not), so the model saw no object at all."""
+    return tuple(error.get("loc", ())) == ("body",) and isinstance(error.get("input"), (bytes, bytearray))
 
 
 def param_of(error: Mapping[str, Any]) -> str:

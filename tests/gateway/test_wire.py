@@ -146,3 +146,19 @@ def test_a_malformed_http_request_gets_the_openai_error_shape(live_gateway, requ
     assert b"content-type: application/json" in head.lower()
     error = json.loads(body)["error"]
     assert error["type"] == "invalid_request_error" and error["code"] == "invalid_http" and error["message"]
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/sessions/ses_x/forget"])
+def test_a_json_body_without_a_json_content_type_is_a_400_that_says_which_header_to_send(live_gateway, content_type,
+                                                                                         path):
+    """Not pydantic's "Input should be a valid dictionary": the client is told what it sent and what to send."""
+    body = json.dumps({"model": "m", "messages": HI, "max_tokens": 1}).encode()
+    headers = {"Content-Type": content_type} if content_type else {}
+    with live_gateway.client() as http:  # httpx sends raw `content` with no Content-Type of its own
+        response = http.post(path, content=body, headers=headers)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "unsupported_content_type"
+    assert error["param"] is None and "send `Content-Type: application/json`" in error["message"]
+    assert (content_type or "no Content-Type") in error["message"]
