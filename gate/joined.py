@@ -74,7 +74,7 @@ def scan_joined(gate: Gate, parts: Sequence[bytes], *, window: int = JOIN_WINDOW
                             extra[j].append(_clip(f, lo, hi))
         starts.append(len(history))
         history += part
-    return tuple(_with(own[i], extra[i]) for i in range(len(parts)))
+    return tuple(with_findings(own[i], extra[i]) for i in range(len(parts)))
 
 
 def _explained(f: Finding, own: GateReport) -> bool:
@@ -86,7 +86,8 @@ def _explained(f: Finding, own: GateReport) -> bool:
                for g in own.findings)
 
 
-def _with(report: GateReport, extra: list[Finding]) -> GateReport:
+def with_findings(report: GateReport, extra: Sequence[Finding]) -> GateReport:
+    """``report`` with ``extra`` findings (same offsets) added and its scores taken again."""
     if not extra:
         return report
     from .core import _noisy_or

@@ -11,7 +11,8 @@ identity, `source: "mcp"`: the proxy's route names it, not the client). What the
 
 Text is read from text blocks, the text of embedded resources, and every string of structured
 content with its key beside it (`_json_parts`); they are scanned as one document, so an instruction split across blocks is
-still one instruction. Content the gate cannot read (images, audio, blobs, resource links) is
+still one instruction, and once more glued with no joiner, so a secret split across blocks is
+found and each block's fragment cut (`Document.glued_secrets`). Content the gate cannot read (images, audio, blobs, resource links) is
 passed or withheld as the policy's `non_text` says, and a withheld block leaves a text stub
 behind: nothing disappears silently. A call's arguments are screened the same way (phase
 "arguments"); anything but `allow` refuses the call before it reaches the upstream. So is each
@@ -26,9 +27,11 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from bisect import bisect_right
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
+from itertools import accumulate
 from typing import Any
 
 import mcp.types as types
@@ -36,6 +39,7 @@ import structlog
 
 from audit import AuditLog
 from gate import Cut, Finding, Gate, GateReport, Redaction, redact
+from gate.joined import with_findings
 from ledger import CrossingLog, Ledger
 from policies import Decision, PolicyEngine, tool_identity
 
@@ -197,6 +201,26 @@ class Document:
     def part_digests(self) -> list[str]:
         return [hashlib.sha256(self.data[s:e]).hexdigest() for s, e in self.spans]
 
+    def glued_secrets(self, gate: Gate) -> list[Finding]:
+        """Secrets cut across parts, in this document's offsets. The document joins its parts with
+        a newline, which ends any token, so a key split over two text blocks is two harmless
+        pieces there; scanned glued (no joiner) it is one key, as a model asked to join the blocks
+        reads it. Only findings that cross a part boundary are kept: one scan more, linear."""
+        starts = list(accumulate((e - s for s, e in self.spans), initial=0))
+
+        def part_of(glued: int) -> int:
+            return min(bisect_right(starts, glued) - 1, len(self.spans) - 1)
+
+        def moved(glued: int) -> int:
+            k = part_of(glued)
+            return self.spans[k][0] + glued - starts[k]
+
+        glued = b"".join(self.data[s:e] for s, e in self.spans)
+        return [replace(f, byte_start=moved(f.byte_start), byte_end=moved(f.byte_end - 1) + 1)
+                for f in gate.scan(glued).findings
+                if f.kind == "secret" and f.byte_end > f.byte_start
+                and part_of(f.byte_start) != part_of(f.byte_end - 1)]
+
     def split(self, findings: tuple[Finding, ...], kinds: tuple[str, ...]) -> list[Redaction]:
         """Each part redacted by the findings that overlap it, offsets moved into the part."""
         out = []
@@ -253,10 +277,12 @@ class Guard:
         self._definitions: dict[tuple[str, str, str], Decision] = {}
         self._digests: dict[int, tuple[types.Tool, str]] = {}
 
-    def _scan(self, data: bytes, call: Call) -> GateReport:
+    def _scan(self, doc: Document, call: Call) -> GateReport:
+        """The document's report, with the secrets that only its parts glued together show."""
         started = time.perf_counter()
         try:
-            return self.gate.scan(data, tool=call.tool)
+            report = self.gate.scan(doc.data, tool=call.tool)
+            return with_findings(report, doc.glued_secrets(self.gate)) if len(doc.spans) > 1 else report
         except Exception as exc:
             raise ScreeningError(f"the gate failed ({type(exc).__name__}); nothing was passed on") from exc
         finally:
@@ -271,7 +297,7 @@ class Guard:
 
     def _decide(self, call: Call, phase: str, doc: Document) -> tuple[GateReport, Screened, list[str] | None]:
         """Scan, decide, and for a result carry out a redact; returns the redacted parts' texts too."""
-        report = self._scan(doc.data, call)
+        report = self._scan(doc, call)
         decision = self.policy.decide(self._input(call, phase, report, len(doc.data)))
         if phase != "result" or decision.action != "redact":
             return report, Screened(decision), None

@@ -53,6 +53,13 @@ def echo(text: str) -> str:
 
 
 @server.tool()
+def credentials_in_pieces(cuts: list[int]) -> list[TextContent]:
+    """The credentials file cut at `cuts` into text blocks (a secret split across blocks)."""
+    bounds = [0, *cuts, len(CREDENTIALS)]
+    return [TextContent(type="text", text=CREDENTIALS[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+@server.tool()
 def screenshot() -> list[ImageContent | TextContent]:
     """A screenshot and its caption."""
     return [TextContent(type="text", text="screenshot of the dashboard"),

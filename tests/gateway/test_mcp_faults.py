@@ -22,6 +22,9 @@ from ledger import Ledger
 from policies import PolicyEngine
 
 FIXTURE = Path(__file__).with_name("mcp_upstream.py")
+# gate scans before each phase of fx__weather: its definition is several parts (scanned as one
+# document, then glued for split secrets), its arguments and its result one part each
+DEFINITION, ARGUMENTS = 2, 1
 ACME = Caller(Principal("acme", "agent"), None)
 
 
@@ -75,12 +78,13 @@ def test_gate_failure_on_the_tools_definition_refuses_the_call(tmp_path: Path) -
 
 
 def test_gate_failure_on_arguments_refuses_the_call(tmp_path: Path) -> None:
-    result, error = _call(_proxy(tmp_path, gate=FailingGate(good=1)), "fx__weather", {"city": "Paris"})
+    result, error = _call(_proxy(tmp_path, gate=FailingGate(good=DEFINITION)), "fx__weather", {"city": "Paris"})
     assert result is None and "lethe could not screen this call: the gate failed (RuntimeError)" in error
 
 
 def test_gate_failure_on_the_result_passes_nothing_on(tmp_path: Path) -> None:
-    result, error = _call(_proxy(tmp_path, gate=FailingGate(good=2)), "fx__weather", {"city": "Paris"})
+    result, error = _call(_proxy(tmp_path, gate=FailingGate(good=DEFINITION + ARGUMENTS)), "fx__weather",
+                          {"city": "Paris"})
     assert result is None and "the gate failed" in error and "Paris: 18" not in error
 
 

@@ -1,0 +1,66 @@
+"""A secret split across the text blocks of one MCP result is redacted in every block (issue 13).
+
+The proxy scans a result's blocks as one document joined by newlines, which end any token: a key
+cut over two blocks would pass as two harmless pieces. The blocks are also scanned glued, so each
+block's fragment is cut. In process, with the fixture upstream as a real process (as in
+test_mcp_faults.py)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+from mcp import Client
+
+from audit import AuditLog, Signer
+from gate import Gate
+from gateway.mcp import Caller, Guard, McpSettings, Proxy, UpstreamSpec
+from gateway.tenants import Principal
+from ledger import Ledger
+from policies import PolicyEngine
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from mcp_upstream import CREDENTIALS  # noqa: E402
+
+KEY_ID, SECRET = "AKIAPTGZ6JFEBZSDOXRL", "nHBdHIyvNLVlRXFwF8JlMaLNy02K35uDNHfkf7J8"
+ACME = Caller(Principal("acme", "agent"), None)
+
+
+@pytest.fixture(scope="module")
+def proxy(tmp_path_factory: pytest.TempPathFactory) -> Proxy:
+    tmp = tmp_path_factory.mktemp("mcp-split")
+    url = f"sqlite:///{tmp / 'lethe.db'}"
+    ledger = Ledger(url)
+    settings = McpSettings(upstreams=[UpstreamSpec(name="fx", command=[sys.executable, str(HERE / "mcp_upstream.py")])],
+                           call_timeout_s=10)
+    guard = Guard(Gate(), PolicyEngine(), ledger, AuditLog(url, Signer.load_or_create(tmp / "key.pem")),
+                  settings.max_result_bytes)
+    return Proxy(settings, guard, ledger)
+
+
+def _pieces(proxy: Proxy, cuts: list[int]) -> list[str]:
+    async def go() -> list[str]:
+        async with proxy.running(), Client(proxy.server(lambda _ctx: ACME)) as client:
+            result = await client.call_tool("fx__credentials_in_pieces", {"cuts": cuts})
+        return [block.text for block in result.content]
+    return anyio.run(go)
+
+
+def _at(where: str, offset: int) -> int:
+    return CREDENTIALS.index(KEY_ID if where == "kid" else SECRET) + offset
+
+
+@pytest.mark.parametrize("cuts", [
+    [("kid", 10)], [("sec", 20)], [("kid", 10), ("sec", 20)], [("kid", 3), ("kid", 12)], [("sec", 6), ("sec", 27)],
+], ids=["key-id", "secret", "both", "key-id-twice", "secret-twice"])
+def test_every_block_holding_a_fragment_of_a_split_secret_is_redacted(proxy: Proxy, cuts) -> None:
+    blocks = _pieces(proxy, [_at(*c) for c in cuts])
+    assert len(blocks) == len(cuts) + 1
+    shown = "\n".join(blocks)
+    fragments = {s[i:i + 3] for s in (KEY_ID, SECRET) for i in range(len(s) - 2)}
+    assert "[REDACTED:aws_access_key_id]" in shown and "[REDACTED:aws_secret_access_key]" in shown
+    assert not [f for f in fragments if f in shown.replace("[REDACTED:aws_access_key_id]", "")
+                .replace("[REDACTED:aws_secret_access_key]", "")]
+    assert "region = eu-west-1" in shown  # the rest of the result is still there
