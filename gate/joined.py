@@ -16,7 +16,9 @@ share (an injection match that only reached back). A secret is never excused tha
 the secret itself, so every part holding one of its bytes gets a finding over exactly those bytes,
 however little of the secret it holds (a fragment need not look like a secret on its own), and the
 secret action (redact, forget) then covers every fragment. Findings inside one part come from that
-part's own scan. Cost:
+part's own scan, except a secret the joined scan finds wholly inside the later part that its own scan
+misses: the rule needed context from the earlier part (``aws_secret_access_ke`` | ``y=<secret>``,
+red team #13), so that part gets the finding over its secret bytes. Cost:
 at most three scans per part, each of at most ``len(part) + window + 1`` bytes, so the gate's
 linear time bound holds.
 """
@@ -62,9 +64,13 @@ def scan_joined(gate: Gate, parts: Sequence[bytes], *, window: int = JOIN_WINDOW
             for sep in seps:
                 boundary = len(tail) + len(sep)
                 for f in gate.scan(tail + sep + part).findings:
-                    if f.kind == "encoding" or not (f.byte_start < len(tail) and f.byte_end > boundary):
+                    if f.kind == "encoding" or f.byte_end <= boundary:
                         continue
                     mine = _clip(f, boundary, boundary + len(part))
+                    if f.byte_start >= len(tail):  # inside part i: a secret whose label lies before it
+                        if f.kind == "secret" and not _explained(mine, own[i]):
+                            extra[i].append(mine)
+                        continue
                     if f.kind != "secret" and _explained(mine, own[i]):  # reached back: part i holds it alone
                         continue
                     extra[i].append(mine)

@@ -121,3 +121,17 @@ def test_a_secret_match_reaching_back_is_never_excused_as_the_later_parts_own(tm
     (held,) = [f for f in first.findings if f.kind == "secret"]
     assert parts[0][held.byte_start : held.byte_end] == hexkey[:10]
     assert any(f.kind == "secret" and f.byte_start == 0 for f in second.findings)
+
+
+def test_a_secret_whose_label_lies_in_the_part_before_is_found_in_its_own_part(gate: Gate) -> None:
+    """Cut inside `aws_secret_access_key` (red team #13: bytes 30 and 60 of the credential block),
+    the part holding the secret no longer matches alone; the joined scan's finding wholly inside
+    that part is that part's, over exactly the secret's bytes."""
+    secret = b"IDnOdcdbWB2dC4+DSDC6Lc1mxLpQ2yMK+Ye9FZ1w"
+    text = b"aws_access_key_id=AKIAPTGZ6JFEBZSDOXRL\naws_secret_access_key=" + secret + b"\n"
+    assert gate.scan(text[60:]).secret < 0.5  # the red team's third part alone
+    for cut in range(text.index(b"aws_secret_access_key"), text.index(secret) + 1):
+        parts = [text[:30], text[30:cut], text[cut:]]
+        last = gate.scan_joined(parts)[2]
+        spans = [parts[2][f.byte_start:f.byte_end] for f in last.findings if f.rule_id == "aws-secret-access-key"]
+        assert spans == [secret] and last.secret >= 0.5

@@ -30,11 +30,15 @@ def _credentials(seed: int) -> tuple[str, str]:
     return kid, sec
 
 
-def _document(kid: str, sec: str) -> str:
-    return f"aws_access_key_id = {kid}\naws_secret_access_key = {sec}\n"
+def _document(kid: str, sec: str, name: str = "") -> str:
+    """The spaced layout, or for a `tight-` cut the red team #13 layout with no space around '='."""
+    eq = "=" if name.startswith("tight-") else " = "
+    return f"aws_access_key_id{eq}{kid}\naws_secret_access_key{eq}{sec}\n"
 
 
-# cut points: (where, offset) — inside the key id ("kid") or the secret ("sec"), from its first character
+LABEL = "aws_secret_access_key"
+# cut points: (where, offset) — inside the key id ("kid"), the secret ("sec") or the secret's label ("lab"),
+# from its first character. A cut in the label leaves the secret's part without the context its rule needs.
 CUTS = {
     "2-in-key-id": [("kid", 4)],
     "2-mid-key-id": [("kid", 10)],
@@ -45,14 +49,23 @@ CUTS = {
     "3-both-in-key-id": [("kid", 3), ("kid", 12)],
     "3-both-in-secret": [("sec", 6), ("sec", 27)],
     "3-key-id-end-and-secret": [("kid", 16), ("sec", 9)],
+    "tight-3-red-team-bytes-30-60": [("kid", 12), ("lab", 21)],  # red team #13: allowed the third part
+    "tight-3-key-id-and-label-end": [("kid", 12), ("lab", 20)],
+    "tight-2-label-start": [("lab", 0)],
+    "tight-2-mid-label": [("lab", 11)],
+    "tight-2-label-end": [("lab", 19)],
+    "3-key-id-and-mid-label": [("kid", 12), ("lab", 7)],
+    "2-label-end": [("lab", 20)],
+    "2-after-label": [("lab", 21)],
 }
 
 
-def _parts(seed: int, cuts: list[tuple[str, int]]) -> tuple[list[str], str, str]:
-    """The document cut at `cuts`; every part holds bytes of the key id or the secret."""
+def _parts(seed: int, name: str) -> tuple[list[str], str, str]:
+    """The document cut at `name`'s cuts; every part holds bytes of the key id or the secret."""
+    cuts = CUTS[name]
     kid, sec = _credentials(seed)
-    text = _document(kid, sec)
-    at = {"kid": text.index(kid), "sec": text.index(sec)}
+    text = _document(kid, sec, name)
+    at = {"kid": text.index(kid), "sec": text.index(sec), "lab": text.index(LABEL)}
     bounds = [0, *(at[where] + offset for where, offset in cuts), len(text)]
     spans = [(at["kid"], at["kid"] + len(kid)), (at["sec"], at["sec"] + len(sec))]
     assert all(any(a < e and b > s for s, e in spans) for a, b in zip(bounds, bounds[1:]))
@@ -111,20 +124,20 @@ def _seed(name: str, mode: str) -> int:
 def test_the_generated_credentials_are_found_whole(gate: Gate, name: str, mode: str) -> None:
     """The premise of the tests below: the gate finds both when they are not cut."""
     kid, sec = _credentials(_seed(name, mode))
-    whole = {f.rule_id for f in gate.scan(_document(kid, sec).encode()).findings}
+    whole = {f.rule_id for f in gate.scan(_document(kid, sec, name).encode()).findings}
     assert {"aws-access-key-id", "aws-secret-access-key"} <= whole
 
 
 def test_the_red_teams_split_passes_part_by_part(gate: Gate) -> None:
     """The attack: the outer parts alone are no secret (allow, forget, allow when scored alone)."""
-    parts, _, _ = _parts(_seed("3-key-id-and-secret", "forget"), CUTS["3-key-id-and-secret"])
+    parts, _, _ = _parts(_seed("3-key-id-and-secret", "forget"), "3-key-id-and-secret")
     assert [gate.scan(p.encode()).secret >= 0.5 for p in parts] == [False, True, False]
 
 
 @pytest.mark.parametrize("name", list(CUTS))
 def test_every_part_of_a_split_secret_is_forgotten_and_no_fragment_stays_at_rest(live_gateway, with_tenant_policy,
                                                                                  tmp_path, name: str) -> None:
-    parts, kid, sec = _parts(_seed(name, "forget"), CUTS[name])
+    parts, kid, sec = _parts(_seed(name, "forget"), name)
     tenant = f"split-forget-{name}"
     key = live_gateway.new_key(tenant, user="fay")
     with with_tenant_policy(live_gateway.state.policy, tmp_path, {tenant: {"sensitive_action": "forget"}}):
@@ -137,7 +150,7 @@ def test_every_part_of_a_split_secret_is_forgotten_and_no_fragment_stays_at_rest
 
 @pytest.mark.parametrize("name", list(CUTS))
 def test_every_part_of_a_split_secret_is_redacted_over_its_own_fragment(live_gateway, name: str) -> None:
-    parts, kid, sec = _parts(_seed(name, "redact"), CUTS[name])
+    parts, kid, sec = _parts(_seed(name, "redact"), name)
     key = live_gateway.new_key(f"split-redact-{name}", user="ray")
     sid, actions = _send(live_gateway, key, parts)
     fragments = _fragments(kid, sec)
