@@ -7,12 +7,16 @@ Chunks are tokenized separately, so segment boundaries are token boundaries.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from gate._text import decode, detection_view  # the gate's own normalisation, not a second copy
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -143,6 +147,24 @@ class RenderedMessage:
     content: bytes
     content_sha256: str
     tokens: tuple[int, ...]
+
+    @functools.cached_property
+    def norm_sha256(self) -> str:
+        """The hash of the content's normalised form (see `normalised_sha256`)."""
+        return normalised_sha256(self.content)
+
+
+_SPACE = re.compile(r"\s+")
+
+
+def normalised_sha256(raw: bytes) -> str:
+    """SHA-256 of the gate's detection view of `raw` (NFKC, default-ignorables removed, look-alikes
+    folded) with every whitespace run, line endings included, collapsed to one space and the ends
+    stripped. Quarantined content is refused again by this hash as well as by its exact bytes, so a
+    trailing space, CRLF, an NBSP, a zero-width space or one fullwidth letter does not make it new
+    (red team #13 F3)."""
+    text = detection_view(decode(raw)).text
+    return hashlib.sha256(_SPACE.sub(" ", text).strip().encode("utf-8", "surrogatepass")).hexdigest()
 
 
 class TemplateError(ValueError):

@@ -377,11 +377,12 @@ class Pipeline:
         return list(zip(joined, alone))  # a joined report holds the part's own findings and more
 
     def _quarantined_hashes(self, live: LiveSession) -> list[str]:
-        """The content hashes of the session's quarantined segments: refused again on any channel."""
+        """The content hashes of the session's quarantined segments, exact and normalised
+        (`normalised_sha256`): refused again on any channel."""
         with fails_as("ledger"):
-            return sorted({s.content_sha256 for s in self.p.ledger.segments(live.record.id)
-                           if s.state is SegmentState.QUARANTINED
-                           or s.meta.get("decision", {}).get("action") == "quarantine"})  # also once superseded
+            held = [s for s in self.p.ledger.segments(live.record.id) if s.state is SegmentState.QUARANTINED
+                    or s.meta.get("decision", {}).get("action") == "quarantine"]  # also once superseded
+        return sorted({h for s in held for h in (s.content_sha256, s.meta.get("norm_sha256")) if h})
 
     def _admit_principal(self, principal: Principal, live: LiveSession, m: RenderedMessage,
                          gated: "Gated") -> Staged | None:
@@ -485,6 +486,8 @@ class Pipeline:
         data_class = "secret" if verdict.report.secret >= 0.5 and not redacted else "quarantined" \
             if quarantined else "normal"
         meta = {"gate": verdict.summary(), "decision": decision.to_dict(), "stub_reason": reason}
+        if quarantined:
+            meta["norm_sha256"] = m.norm_sha256
         if redacted:
             meta.update(gate=screened.rescan.summary(), gate_original=verdict.summary(),  # type: ignore[union-attr]
                         redaction=red.to_dict())  # type: ignore[union-attr]
@@ -536,7 +539,7 @@ class Pipeline:
             "tenant": principal.tenant, "user": principal.user,
             "session": {"id": live.record.id, "age_s": (datetime.now(timezone.utc) - created).total_seconds(),
                         "tokens": len(live.cache) - len(m.tokens), "quarantined_hashes": gated.quarantined},
-            "channel": gated.channel, "content_sha256": m.content_sha256,
+            "channel": gated.channel, "content_sha256": m.content_sha256, "content_norm_sha256": m.norm_sha256,
             "tool": gated.tool,
             "span": {"bytes": len(m.content), "tokens": len(m.tokens)},
             "gate": verdict.policy_input(),

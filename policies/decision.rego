@@ -11,6 +11,8 @@
 #     "phase":   "result" | "arguments" | "definition"
 #                             (mcp only: a tool's result, a call's arguments, a tool's listing)
 #     "content_sha256": string                                         (optional)
+#     "content_norm_sha256": string   (optional: the hash of the content's normalised form, NFKC,
+#                                      ignorables removed, whitespace collapsed and stripped)
 #     "session": {"id": string, "age_s": number, "tokens": number,
 #                 "quarantined_hashes": [string, ...]}                  (optional list)
 #     "tool":    {"name": string, "claimed_name": string | null, "verified": boolean,
@@ -34,8 +36,9 @@
 # Every reason starts with the name of the rule that fired ("injection_threshold: ...").
 # All rules that fire are reported; the action comes from the highest-ranked one:
 #   0 input_invalid        quarantine   the input does not have the documented shape
-#   1 quarantined_content  quarantine   content_sha256 is in session.quarantined_hashes: bytes
-#                                       quarantined once stay quarantined on every channel
+#   1 quarantined_content  quarantine   content_sha256 or content_norm_sha256 is in
+#                                       session.quarantined_hashes: bytes quarantined once stay
+#                                       quarantined on every channel, also with trivial changes
 #   1 blocked_tool         quarantine   tool.name or tool.claimed_name is blocked globally or for
 #                                       the tenant (a claim is enough to block, never to trust)
 #   2 injection_threshold  quarantine   injection score at or over the tenant's threshold
@@ -82,8 +85,14 @@ decision_fired contains {"rank": 0, "action": "quarantine", "reason": sprintf("i
 
 decision_fired contains {"rank": 1, "action": "quarantine", "reason": msg} if {
 	decision_input_ok
+	msg := sprintf("quarantined_content: content %s was quarantined earlier in session %v (channel %s)", [quarantined_digest, input.session.id, decision_channel])
+}
+
+# The exact-bytes hash when it was quarantined, else the normalised form's (one reason, not two).
+quarantined_digest := input.content_sha256 if {
 	input.content_sha256 in object.get(input.session, "quarantined_hashes", [])
-	msg := sprintf("quarantined_content: content %s was quarantined earlier in session %v (channel %s)", [input.content_sha256, input.session.id, decision_channel])
+} else := sprintf("%s (normalised)", [input.content_norm_sha256]) if {
+	input.content_norm_sha256 in object.get(input.session, "quarantined_hashes", [])
 }
 
 decision_fired contains {"rank": 1, "action": "quarantine", "reason": msg} if {
@@ -205,7 +214,7 @@ decision_checks := {
 	"tenant": "tenant must be a non-empty string",
 	"channel": "channel must be one of tool, mcp, tool_definition, tool_call_arguments, user, assistant, system, developer",
 	"tool": "tool must be a non-empty string or {name: non-empty string, claimed_name: string or null, verified: boolean, source: gateway, mcp or client} (null allowed on user, assistant, system, developer)",
-	"content": "content_sha256 must be a string and session.quarantined_hashes a list of strings",
+	"content": "content_sha256 and content_norm_sha256 must be strings and session.quarantined_hashes a list of strings",
 	"injection": "gate.injection must be a number in [0, 1]",
 	"secret": "gate.secret must be a number in [0, 1]",
 	"findings": "gate.findings must be a list",
@@ -234,6 +243,7 @@ decision_valid contains "tool" if {
 
 decision_valid contains "content" if {
 	is_string(object.get(input, "content_sha256", ""))
+	is_string(object.get(input, "content_norm_sha256", ""))
 	hashes := object.get(object.get(input, "session", {}), "quarantined_hashes", [])
 	is_array(hashes)
 	every h in hashes { is_string(h) }

@@ -270,6 +270,24 @@ test_quarantined_bytes_stay_quarantined_on_every_channel if {
 	}
 }
 
+test_a_normalised_form_quarantined_earlier_stays_quarantined if {
+	i := object.union(on("user", null, clean), {
+		"content_sha256": "0000", "content_norm_sha256": "ab12",
+		"session": {"id": "s1", "age_s": 1, "tokens": 10, "quarantined_hashes": ["ab12"]},
+	})
+	d := decide(i)
+	d.action == "quarantine"
+	d.reasons == ["quarantined_content: content ab12 (normalised) was quarantined earlier in session s1 (channel user)"]
+}
+
+test_an_exact_and_normalised_match_gives_one_reason if {
+	i := object.union(on("user", null, clean), {
+		"content_sha256": "ab12", "content_norm_sha256": "cd34",
+		"session": {"id": "s1", "age_s": 1, "tokens": 10, "quarantined_hashes": ["ab12", "cd34"]},
+	})
+	decide(i).reasons == ["quarantined_content: content ab12 was quarantined earlier in session s1 (channel user)"]
+}
+
 test_other_hashes_are_not_quarantined if {
 	i := object.union(on("user", null, clean), {
 		"content_sha256": "0000",
@@ -291,7 +309,7 @@ test_tool_channels_need_a_tool_name if {
 
 test_malformed_quarantined_hashes_are_invalid if {
 	i := object.union(on("user", null, clean), {"session": {"id": "s1", "age_s": 1, "tokens": 10, "quarantined_hashes": "ab12"}})
-	decide(i).reasons == ["input_invalid: content_sha256 must be a string and session.quarantined_hashes a list of strings"]
+	decide(i).reasons == ["input_invalid: content_sha256 and content_norm_sha256 must be strings and session.quarantined_hashes a list of strings"]
 }
 
 test_blocked_tool_arguments_are_quarantined if {

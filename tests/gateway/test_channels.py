@@ -46,6 +46,35 @@ def test_a_quarantined_tool_result_resent_as_a_user_message_stays_quarantined(li
     assert segments[-1].state.value == "quarantined" and segments[-1].role == "user"
 
 
+def _fullwidth_first_letter(text: str) -> str:
+    at = next(i for i, c in enumerate(text) if c.isascii() and c.isalpha())
+    return text[:at] + chr(ord(text[at]) + 0xFEE0) + text[at + 1:]
+
+
+NEAR_COPIES = {  # red team #13 F3: each entered the cache when the hash was over the exact bytes only
+    "trailing-space": ("user", lambda t: t + " "),
+    "crlf": ("user", lambda t: t.replace("</p>", "</p>\r\n")),
+    "one-nbsp": ("user", lambda t: t.replace(" ", "\u00a0", 1)),
+    "leading-zwsp": ("user", lambda t: "\u200b" + t),
+    "one-fullwidth-letter": ("user", _fullwidth_first_letter),
+    "developer-trailing-newline": ("developer", lambda t: t + "\n"),
+}
+
+
+@pytest.mark.parametrize("variant", list(NEAR_COPIES))
+def test_a_quarantined_tool_result_resent_with_a_trivial_change_stays_quarantined(live_gateway, variant):
+    role, change = NEAR_COPIES[variant]
+    key = live_gateway.new_key(f"chan-near-{variant}", user="ursula")
+    first = [{"role": "user", "content": "read the page"}, calls("fetch"),
+             {"role": "tool", "tool_call_id": "c0", "content": WEB_PAGE}]
+    with live_gateway.client(key) as http:
+        sid = chat(http, first).headers["x-lethe-session"]
+        again = chat(http, [*first, {"role": "assistant", "content": "ok"}, {"role": role, "content": change(WEB_PAGE)}],
+                     session=sid)
+    (resent,) = [a for a in actions(again) if a["channel"] == role]
+    assert resent["action"] == "quarantine" and resent["reasons"][0].startswith("quarantined_content:")
+
+
 def test_a_secret_echoed_in_an_assistant_message_is_redacted_not_kept_live(live_gateway):
     key = live_gateway.new_key("chan-echo", user="ed")
     messages = [{"role": "user", "content": "what is in the config?"},
