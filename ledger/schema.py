@@ -1,6 +1,8 @@
 """Tables and engine set-up. SQLAlchemy Core only: the ledger's queries are few and explicit."""
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import (
@@ -137,9 +139,21 @@ def make_engine(url: str) -> Engine:
     kwargs: dict[str, Any] = {"connect_args": {"check_same_thread": False, "timeout": 30}}
     if in_memory:
         kwargs["poolclass"] = StaticPool  # one connection, or every connection sees its own empty DB
+    else:
+        _owner_only(Path(parsed.database))
     engine = create_engine(url, **kwargs)
     _sqlite_transactions(engine)
     return engine
+
+
+def _owner_only(db: Path) -> None:
+    """Create the database file 0600 before SQLite opens it (red team #13 F9: it was 0644, readable
+    by every local user). SQLite creates `-wal` and `-shm` with the database file's mode, so they
+    follow; an existing file of ours (and its -wal, -shm) is narrowed to 0600 as well."""
+    os.close(os.open(db, os.O_CREAT | os.O_RDWR, 0o600))
+    for path in (db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")):
+        if path.exists() and path.stat().st_uid == os.getuid():
+            path.chmod(0o600)
 
 
 def _sqlite_transactions(engine: Engine) -> None:

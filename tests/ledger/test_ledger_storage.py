@@ -124,3 +124,22 @@ def test_concurrent_replicas_postgres(pg_url: str) -> None:
 def test_unsupported_database_is_refused_with_the_fix() -> None:
     with pytest.raises(ValueError, match="supports sqlite and postgresql, not 'mysql'; fix the database URL"):
         Ledger("mysql://user@localhost/db")
+
+
+def test_the_database_and_its_wal_and_shm_are_readable_by_the_owner_only(tmp_path: Path) -> None:
+    """lethe.db holds tool results and secrets at rest (red team #13 F9: created 0644)."""
+    db = tmp_path / "lethe.db"
+    ledger = Ledger(f"sqlite:///{db}")
+    ledger.create_session("s", "t")
+    ledger.append("s", role="user", tool=None, content=b"a", n_tokens=1)
+    files = [db, tmp_path / "lethe.db-wal", tmp_path / "lethe.db-shm"]
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in files} == {p.name: "0o600" for p in files}
+    ledger.close()
+
+
+def test_an_existing_world_readable_database_is_narrowed_to_the_owner(tmp_path: Path) -> None:
+    db = tmp_path / "lethe.db"
+    Ledger(f"sqlite:///{db}").close()
+    db.chmod(0o644)
+    Ledger(f"sqlite:///{db}").close()
+    assert db.stat().st_mode & 0o777 == 0o600
