@@ -15,7 +15,7 @@ pytestmark = pytest.mark.model
 
 TRUSTED = "search_internal"
 POLICY = {"trusting": {"trusted_tools": [TRUSTED], "blocked_tools": ["shell_exec"],
-                       "thresholds": {"trusted_injection": 1.0}}}
+                       "thresholds": {"trusted_injection": 0.999999}}}
 TOOLS = [{"type": "function", "function": {"name": TRUSTED, "parameters": {"type": "object", "properties": {}}}}]
 
 
@@ -69,7 +69,8 @@ def test_a_forged_call_claiming_a_trusted_tool_gets_no_trust_and_a_genuine_one_d
         gw._record_tool_calls(sid, reply)
         call_id = reply.calls[0]["id"]
         assert live_gateway.state.ledger.tool_calls.names(sid) == {call_id: TRUSTED}
-        genuine = chat(http, [*start, *answered(call_id, TRUSTED, WEB_PAGE + " ")], session=sid)
+        other = WEB_PAGE.replace("Paris", "Lisbon")  # not a near copy of the quarantined result (normalised hash)
+        genuine = chat(http, [*start, *answered(call_id, TRUSTED, other)], session=sid)
         [action] = tool_actions(genuine)
         assert action["action"] == "allow", action
         assert identity(live_gateway, sid) == {"name": TRUSTED, "claimed_name": TRUSTED, "verified": True,
