@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import Any
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,9 +70,12 @@ def load_bundle(bundle_dir: Path | None = None) -> Bundle:
             modules.append((rel, text))
             continue
         try:
-            parsed = json.loads(text)
+            parsed = json.loads(text, object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as exc:
             raise PolicyError(f"{root / rel} is not valid JSON: {exc}") from exc
+        except _DuplicateKey as exc:
+            raise PolicyError(f"{root / rel} has the key {exc.args[0]!r} twice in one object; keep one "
+                              "(JSON parsers keep the last silently, so the first would never apply)") from exc
         if not isinstance(parsed, dict):
             raise PolicyError(f"{root / rel} must hold a JSON object (e.g. {{\"lethe\": {{...}}}})")
         data.append((rel, text))
@@ -81,6 +85,21 @@ def load_bundle(bundle_dir: Path | None = None) -> Bundle:
         raise PolicyError(f"policy bundle {root} has no .rego files")
     validate_data(merged, parsed_files, root)
     return Bundle(root, tuple(modules), tuple(data), json.dumps(merged), bundle_hash)
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are all distinct (red team #13 F8: a second "lethe" tenant entry
+    silently replaced the first)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
 
 
 def _merge(into: dict, doc: dict, source: Path, path: str = "data") -> None:

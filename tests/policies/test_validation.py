@@ -31,16 +31,36 @@ def _assert_refused_and_kept(engine: PolicyEngine, bad, *fragments: str) -> None
         ({"blocked_tools": "shell.exec"}, "data.lethe.tenants.acme.blocked_tools", "is not of type 'array'"),
         ({"sensitive_kinds": "secret"}, "data.lethe.tenants.acme.sensitive_kinds", "is not of type 'array'"),
         ({"trusted_tools": [""]}, "data.lethe.tenants.acme.trusted_tools[0]", "should be non-empty"),
-        ({"thresholds": {"secret": 1.5}}, "data.lethe.tenants.acme.thresholds.secret", "greater than the maximum"),
+        ({"thresholds": {"secret": 1.5}}, "data.lethe.tenants.acme.thresholds.secret", "greater than or equal to the maximum"),
         ({"treshold": {"injection": 0.8}}, "data.lethe.tenants.acme", "'treshold' was unexpected"),
         ({"max_span_tokens": 1000.5}, "data.lethe.tenants.acme.max_span_tokens", "is not of type 'integer'"),
         ({"principal_channels": ["user", "email"]}, "data.lethe.tenants.acme.principal_channels[1]", "is not one of"),
         ({"retention": {"classes": {"normal": "30d"}}}, "data.lethe.tenants.acme.retention.classes.normal", "is not of type"),
+        # red team #13 F8: each of these was accepted and turned a protection off
+        ({"thresholds": {"injection": 1.0}}, "data.lethe.tenants.acme.thresholds.injection", "greater than or equal to the maximum"),
+        ({"thresholds": {"injection_byte_gate": 1.0}}, "data.lethe.tenants.acme.thresholds.injection_byte_gate",
+         "greater than or equal to the maximum"),
+        ({"thresholds": {"secret": 1.0}}, "data.lethe.tenants.acme.thresholds.secret", "greater than or equal to the maximum"),
+        ({"thresholds": {"secret": 0}}, "data.lethe.tenants.acme.thresholds.secret", "less than or equal to the minimum"),
+        ({"sensitive_kinds": []}, "data.lethe.tenants.acme.sensitive_kinds", "should be non-empty"),
+        ({"sensitive_kinds": ["nonsense"]}, "data.lethe.tenants.acme.sensitive_kinds[0]", "is not one of"),
+        ({"retention": {"classes": {"secret": None}}}, "data.lethe.tenants.acme.retention.classes.secret", "is not of type"),
+        ({"retention": {"classes": {"secret": 1e30}}}, "data.lethe.tenants.acme.retention.classes.secret", "greater than the maximum"),
+        ({"retention": {"classes": {"normal": 315360001}}}, "data.lethe.tenants.acme.retention.classes.normal",
+         "greater than the maximum"),
     ],
 )
 def test_wrongly_typed_tenant_setting_is_refused_naming_the_field(make_bundle, override, field, problem):
     engine = PolicyEngine(make_bundle())
     _assert_refused_and_kept(engine, make_bundle(tenants={"acme": override}), field + ":", problem, "tenants.json")
+
+
+def test_a_duplicate_key_in_a_policy_file_is_refused_naming_the_key(make_bundle):
+    """Red team #13 F8: a second "lethe" entry silently replaced the first (last wins)."""
+    text = (SHIPPED_BUNDLE_DIR / "data" / "tenants.json").read_text()
+    doubled = '{"lethe": {"tenants": {}}, ' + text.strip()[1:]
+    bad = make_bundle(replace={"data/tenants.json": doubled})
+    _assert_refused_and_kept(PolicyEngine(make_bundle()), bad, "tenants.json has the key 'lethe' twice")
 
 
 def test_defaults_are_checked_with_every_key_required(make_bundle):
@@ -82,7 +102,6 @@ def test_explicit_double_opt_ins_are_accepted(make_bundle):
         "review": {"admit_sensitive": True, "sensitive_action": "allow"},
         "optin": {"amortize_opt_in": True, "sensitive_action": "amortize"},
         "half": {"sensitive_action": "allow"},  # one switch only: still redacts, still accepted
-        "strictest": {"thresholds": {"injection": 1.0, "secret": 1.0}, "sensitive_kinds": []},
     }
     engine = PolicyEngine(make_bundle(tenants=tenants))
     secret = {"injection": 0.0, "secret": 0.99, "findings": []}
