@@ -167,6 +167,15 @@ def normalised_sha256(raw: bytes) -> str:
     return hashlib.sha256(_SPACE.sub(" ", text).strip().encode("utf-8", "surrogatepass")).hexdigest()
 
 
+def name_folds(*names: str | None) -> tuple[str, ...]:
+    """The gate's detection view (NFKC, invisible characters removed, look-alike letters folded)
+    of each tool name it changes, so `blocked_tools` also match a fullwidth, zero-width or
+    homoglyph spelling of a blocked name (red team #13 F7; decision.rego's tool_key does case
+    and separators)."""
+    folds = {detection_view(decode(n.encode("utf-8", "surrogatepass"))).text for n in names if n}
+    return tuple(sorted(folds - set(names)))
+
+
 class TemplateError(ValueError):
     pass
 

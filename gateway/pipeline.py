@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 import unicodedata
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Any
 from pathlib import Path
@@ -34,7 +34,7 @@ from kvkernel import Kernel, Model
 from ledger import Ledger, NewSegment, SegmentState
 from policies import PolicyEngine, tool_identity
 
-from .chat import Conversation, RenderedMessage
+from .chat import Conversation, RenderedMessage, name_folds
 from .errors import GatewayError, fails_as
 from .erasure import Erasure, actor_of, audit_body, segment_tokens, turn_intents
 from .metrics import Metrics
@@ -161,10 +161,11 @@ def _identity(calls: list[tuple[str, str]], issued: dict[str, str]) -> dict[str,
     """The identity of one or more (call id, claimed name) pairs, names joined with ","."""
     claimed = ",".join(name for _, name in calls)
     recorded = [issued.get(cid) for cid, _ in calls]
+    folded = name_folds(*(name for _, name in calls))
     if any(r is None for r in recorded):
-        return tool_identity(claimed, source="client", claimed_name=claimed)
+        return tool_identity(claimed, source="client", claimed_name=claimed, folded=folded)
     name = ",".join(r for r in recorded if r is not None)
-    return tool_identity(name, source="gateway", claimed_name=claimed, verified=name == claimed)
+    return tool_identity(name, source="gateway", claimed_name=claimed, verified=name == claimed, folded=folded)
 
 
 def not_normal(content: bytes) -> bool:
@@ -448,20 +449,38 @@ class Pipeline:
         tokens = self._decide(live, conv, m, decision.action, reason, screened)
         self.p.metrics.gate_verdicts.labels(verdict.label).inc()
         self.p.metrics.actions.labels(decision.action).inc()
-        action = Action(m.index - offset, None, m.tool, decision.action, decision.reasons, verdict.summary(),
+        tool = self._kept_name(m.tool)
+        action = Action(m.index - offset, None, tool, decision.action, decision.reasons, verdict.summary(),
                         channel=gated.channel)
         row, audit = self._admission_rows(principal, live, m, tokens, verdict, screened, reason)
+        row = replace(row, tool=tool)
         row.meta["channel"] = gated.channel
         if gated.tool is not None:
-            row.meta["tool_identity"] = gated.tool
+            row.meta["tool_identity"] = self._kept_identity(gated.tool)
         action.overhead_ms = own.seconds * 1e3
         self.p.metrics.overhead_seconds.observe(own.seconds)
-        log.info("tool.admitted", session=live.record.id, tool=m.tool, action=decision.action,
+        log.info("tool.admitted", session=live.record.id, tool=tool, action=decision.action,
                  injection=round(verdict.injection, 4), secret=round(report.secret, 4),
                  overhead_ms=round(own.seconds * 1e3, 3))
         if gated.channel != "tool" and decision.action == "allow":
             action = None  # reported are tool results, and what the gate changed on other channels
         return Staged(row, action, conv.stub(m.index, reason) if decision.action == "amortize" else (), audit)
+
+    def _kept_name(self, name: str | None) -> str | None:
+        """A tool name as the ledger, the response and the logs keep it. The client chooses tool
+        names, so one can carry a secret: such a name is kept as a placeholder naming the rule,
+        never raw (red team #13 F6). The policy still saw the name itself."""
+        if not name:
+            return name
+        hits = [f for f in self.p.gate.scan(name.encode("utf-8", "surrogatepass")).findings if f.kind == "secret"]
+        return f"[REDACTED:{hits[0].rule_id}]" if hits else name
+
+    def _kept_identity(self, identity: dict[str, Any]) -> dict[str, Any]:
+        """`input.tool` as the segment's meta keeps it: every name through `_kept_name`."""
+        kept = {k: self._kept_name(v) if k in ("name", "claimed_name") else v for k, v in identity.items()}
+        if "folded" in kept:
+            kept["folded"] = [self._kept_name(n) for n in kept["folded"]]
+        return kept
 
     def _screen(self, principal: Principal, live: LiveSession, m: RenderedMessage, report: GateReport,
                 decision: Any, gated: "Gated") -> Screened:

@@ -16,7 +16,8 @@
 #     "session": {"id": string, "age_s": number, "tokens": number,
 #                 "quarantined_hashes": [string, ...]}                  (optional list)
 #     "tool":    {"name": string, "claimed_name": string | null, "verified": boolean,
-#                 "source": "gateway" | "mcp" | "client"}
+#                 "source": "gateway" | "mcp" | "client",
+#                 "folded": [string, ...]}   (optional: the names' Unicode folds, for blocking)
 #                | string    (a bare name: what the caller claims, treated as
 #                             {"name": s, "claimed_name": s, "verified": false, "source": "client"})
 #                (null or absent allowed on user/assistant/system/developer)
@@ -40,7 +41,9 @@
 #                                       session.quarantined_hashes: bytes quarantined once stay
 #                                       quarantined on every channel, also with trivial changes
 #   1 blocked_tool         quarantine   tool.name or tool.claimed_name is blocked globally or for
-#                                       the tenant (a claim is enough to block, never to trust)
+#                                       the tenant (a claim is enough to block, never to trust;
+#                                       matched by tool_key: case, "functions.", _ - . and space
+#                                       ignored, and on any of tool.folded or a comma-joined part)
 #   2 injection_threshold  quarantine   injection score at or over the tenant's threshold
 #                                       (trusted tools use thresholds.trusted_injection: only a
 #                                       verified identity from the gateway or the mcp proxy);
@@ -97,10 +100,23 @@ quarantined_digest := input.content_sha256 if {
 
 decision_fired contains {"rank": 1, "action": "quarantine", "reason": msg} if {
 	decision_input_ok
-	some name in tool_names
-	name in blocked_tools
+	some joined in tool_names
+	some name in split(joined, ",")
+	tool_key(name) in blocked_keys
 	msg := sprintf("blocked_tool: tool %s is blocked for tenant %s", [name, input.tenant])
 }
+
+# Blocking matches a name's key, not its spelling, so a client cannot rename a blocked tool past
+# the list (red team #13 F7): case, surrounding space, an OpenAI-style "functions." prefix and the
+# separators "_", "-", "." and space do not make another tool. The gateway adds the names' Unicode
+# folds (NFKC, invisible characters removed, look-alike letters folded) as `input.tool.folded`.
+# Trust stays exact: a trusted name must be verified as written (see tool_trusted).
+tool_key(name) := k if {
+	bare := trim_prefix(lower(trim_space(name)), "functions.")
+	k := replace(replace(replace(replace(bare, "_", ""), "-", ""), ".", ""), " ", "")
+}
+
+blocked_keys := {tool_key(t) | some t in blocked_tools}
 
 decision_fired contains {"rank": 2, "action": "quarantine", "reason": msg} if {
 	decision_input_ok
@@ -174,7 +190,10 @@ else := input.tool if is_object(input.tool)
 else := {}
 
 # Every name a tool goes by: blocking applies to any of them.
-tool_names := {n | some key in ["name", "claimed_name"]; n := object.get(tool_identity, key, null); non_empty_string(n)}
+tool_names := {n | some key in ["name", "claimed_name"]; n := object.get(tool_identity, key, null); non_empty_string(n)} | {n |
+	some n in object.get(tool_identity, "folded", [])
+	non_empty_string(n)
+}
 
 # Trust needs a server-side record: the gateway's own tool call, or the mcp proxy's route.
 tool_trusted if {

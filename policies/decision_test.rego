@@ -97,6 +97,22 @@ test_blocked_tools_apply_to_the_recorded_and_the_claimed_name if {
 	decide(req("acme", claimed, clean)).reasons == ["blocked_tool: tool browser.raw is blocked for tenant acme"]
 }
 
+test_a_blocked_tool_is_blocked_under_any_spelling_of_its_name if {
+	reason := "blocked_tool: tool %s is blocked for tenant acme"
+	every name in ["BROWSER.RAW", " browser.raw\n", "browser-raw", "browser_raw", "browserraw", "functions.browser.raw"] {
+		decide(req("acme", name, clean)).reasons == [sprintf(reason, [name])]
+	}
+	joined := {"name": "web.fetch,browser.raw", "claimed_name": "web.fetch,browser.raw", "verified": false, "source": "gateway"}
+	decide(req("acme", joined, clean)).reasons == [sprintf(reason, ["browser.raw"])]
+	folded := {"name": "bro\u200bwser.raw", "claimed_name": "bro\u200bwser.raw", "verified": false, "source": "client", "folded": ["browser.raw"]}
+	decide(req("acme", folded, clean)).reasons == [sprintf(reason, ["browser.raw"])]
+	decide(req("acme", "browser.rawer", clean)).action == "allow"
+}
+
+test_trust_stays_exact_when_blocking_does_not if {
+	decide(req("acme", issued("SEARCH.INTERNAL"), {"injection": 0.85, "secret": 0, "findings": []})).action == "quarantine"
+}
+
 test_malformed_tool_identity_is_invalid if {
 	reason := "input_invalid: tool must be a non-empty string or {name: non-empty string, claimed_name: string or null, verified: boolean, source: gateway, mcp or client} (null allowed on user, assistant, system, developer)"
 	every tool in [

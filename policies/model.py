@@ -15,14 +15,19 @@ SCOPES = frozenset({"tenant", "tenant_user", "public"})
 TOOL_SOURCES = frozenset({"gateway", "mcp", "client"})
 
 
-def tool_identity(name: str, *, source: str, claimed_name: str | None = None, verified: bool = False) -> dict[str, Any]:
+def tool_identity(name: str, *, source: str, claimed_name: str | None = None, verified: bool = False,
+                  folded: tuple[str, ...] = ()) -> dict[str, Any]:
     """The decision policy's `input.tool`: who produced a tool result, and whether the client's word
     is all there is. `name` is the trust-relevant name (the gateway's record, or the MCP route);
     `claimed_name` what the client said; `verified` only when a server-side record backs `name` and
-    the claim agrees with it. Trusted tools apply to verified identities only (decision.rego)."""
+    the claim agrees with it. Trusted tools apply to verified identities only (decision.rego).
+    `folded` holds the names' Unicode folds where they differ, which blocking also matches."""
     if source not in TOOL_SOURCES:
         raise ValueError(f"tool source {source!r} is not one of {sorted(TOOL_SOURCES)}")
-    return {"name": name, "claimed_name": claimed_name, "verified": verified, "source": source}
+    identity: dict[str, Any] = {"name": name, "claimed_name": claimed_name, "verified": verified, "source": source}
+    if folded:
+        identity["folded"] = list(folded)
+    return identity
 
 
 class PolicyError(Exception):

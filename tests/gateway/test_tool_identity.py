@@ -6,6 +6,9 @@ by `Gateway._record_tool_calls` from a reply holding a `<tool_call>` block parse
 own parser: the same write `run_turn` makes after a completed reply with tool calls."""
 from __future__ import annotations
 
+import json
+import secrets
+
 import pytest
 
 from gateway.decoding import parse_tool_calls
@@ -108,3 +111,29 @@ def test_tool_calls_of_one_session_do_not_verify_results_in_another(live_gateway
     [action] = tool_actions(other)
     assert action["action"] == "quarantine"
     assert identity(live_gateway, other.headers["x-lethe-session"])["verified"] is False
+
+
+@pytest.mark.parametrize("spelling", ["SHELL_EXEC", " shell-exec\n", "functions.shell_exec", "ｓｈｅｌｌ_ｅｘｅｃ",
+                                      "shell\u200b_exec", "shell_\u0435x\u0435c"],
+                         ids=["upper", "spaced-dash", "namespaced", "fullwidth", "zero-width", "cyrillic-e"])
+def test_a_blocked_tool_renamed_by_the_client_is_still_blocked(live_gateway, with_tenant_policy, tmp_path,
+                                                                spelling):
+    key = live_gateway.new_key("trusting", user="rex")
+    with with_tenant_policy(live_gateway.state.policy, tmp_path, POLICY), live_gateway.client(key) as http:
+        response = chat(http, [{"role": "user", "content": "list the files"}, *answered("c9", spelling, "a.txt")])
+    [action] = tool_actions(response)
+    assert action["action"] == "quarantine", action
+    assert action["reasons"][0].startswith("blocked_tool: tool ") and "blocked for tenant trusting" in action["reasons"][0]
+
+
+def test_a_secret_chosen_as_a_tool_name_is_kept_nowhere_raw(live_gateway):
+    secret = "AKIA" + "".join(secrets.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ234567") for _ in range(16))  # AWS key id
+    key = live_gateway.new_key("named-secret", user="sam")
+    with live_gateway.client(key) as http:
+        response = chat(http, [{"role": "user", "content": "fetch it"}, *answered("c3", secret, "done")])
+    sid = response.headers["x-lethe-session"]
+    assert secret not in response.text
+    seg = [s for s in live_gateway.state.ledger.segments(sid) if s.role == "tool"][-1]
+    assert seg.tool is not None and seg.tool.startswith("[REDACTED:") and secret not in json.dumps(seg.meta)
+    held = [p for p in live_gateway.data_dir.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    assert held == []
