@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import unicodedata
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -107,25 +107,45 @@ def _decode_invalid(data: bytes) -> Decoded:
 #
 # What the injection layers read: NFKC (per code point: fullwidth, ligatures, compatibility
 # forms), with default-ignorable and format characters removed (soft hyphen, zero-width, bidi
-# embeddings/overrides/isolates, variation selectors, the tag block, ...) and, inside words that
-# already contain a Latin letter, Cyrillic/Greek homoglyphs folded to the Latin letter they
+# embeddings/overrides/isolates, variation selectors, the tag block, ...), invisible separators
+# (SEPARATORS: Hangul fillers, braille blank, U+180E, no-break spaces, private-use characters)
+# read as one space, so words written with them in place of spaces stay words, and, inside words
+# that already contain a Latin letter, Cyrillic/Greek homoglyphs folded to the Latin letter they
 # imitate. Words without a Latin letter stay as they are, so the multilingual rules still read
-# Russian ("все" is all look-alikes but Russian); a word spelled only in look-alikes is not folded. Every character of the view keeps the byte offset in
-# ``raw`` of the character it came from: findings on the view report original offsets.
+# Russian ("все" is all look-alikes but Russian); a word spelled only in look-alikes is not folded.
+#
+# Some text has a second reading, ``View.alt``: NFKD with every combining mark (Mn, Me) dropped
+# ("I\u0301g\u0301nore" and "Ígnóre" read "Ignore"), and invisible separators deleted instead of
+# spaced (one between every letter glues the word back; a no-break space inside a token joins it).
+# It exists only where it differs from the view, and the phrase rules, the learned window and the
+# secret rules scan it too: the two readings disagree exactly where an attacker chose one.
+# Every character of either keeps the byte offset in ``raw`` of the character it came from:
+# findings on a view report original offsets.
 
 # Default_Ignorable_Code_Point (Unicode DerivedCoreProperties) plus every other format (Cf)
 # character, computed per distinct code point below.
 _IGNORABLE_RANGES = (
-    (0x00AD, 0x00AD), (0x034F, 0x034F), (0x061C, 0x061C), (0x115F, 0x1160), (0x17B4, 0x17B5),
-    (0x180B, 0x180F), (0x200B, 0x200F), (0x202A, 0x202E), (0x2060, 0x206F), (0x3164, 0x3164),
-    (0xFE00, 0xFE0F), (0xFEFF, 0xFEFF), (0xFFA0, 0xFFA0), (0x1BCA0, 0x1BCA3), (0x1D173, 0x1D17A),
+    (0x00AD, 0x00AD), (0x034F, 0x034F), (0x061C, 0x061C), (0x17B4, 0x17B5),
+    (0x180B, 0x180F), (0x200B, 0x200F), (0x202A, 0x202E), (0x2060, 0x206F),
+    (0xFE00, 0xFE0F), (0xFEFF, 0xFEFF), (0x1BCA0, 0x1BCA3), (0x1D173, 0x1D17A),
     (0xE0000, 0xE0FFF),
 )
+# Characters that render as blank space or nothing and are used in place of a space: the Hangul
+# fillers (default-ignorable, but as a space they would glue words), braille pattern blank,
+# U+180E, the no-break spaces; and the private-use areas (no standard rendering).
+_SEPARATOR_RANGES = (
+    (0x00A0, 0x00A0), (0x115F, 0x1160), (0x180E, 0x180E), (0x2007, 0x2007), (0x202F, 0x202F),
+    (0x2800, 0x2800), (0x3164, 0x3164), (0xFFA0, 0xFFA0),
+    (0xE000, 0xF8FF), (0xF0000, 0xFFFFD), (0x100000, 0x10FFFD),
+)
 
-# Cyrillic and Greek letters that render like a Latin letter in common fonts (lower and upper).
+# Letters of other scripts that render like a Latin letter in common fonts (lower and upper):
+# Cyrillic, Greek, Armenian and Latin IPA letters.
 HOMOGLYPHS = {
     **dict(zip("аВсдеЕһіІјЈКкМНоОрРсСТуХхЅѕԁԛԝӏАЬ", "aBcdeEhiIjJKkMHoOpPcCTyXxSsdqwlAb")),
-    **dict(zip("ΑΒΕΖΗΙΚΜΝΟΡΤΥΧοαικνρτυχ", "ABEZHIKMNOPTYXoaikvptux")),
+    **dict(zip("ΑΒΕΖΗΙΚΜΝΟΡΤΥΧοαικνρτυχεϲϹϳϒ", "ABEZHIKMNOPTYXoaikvptuxecCjY")),
+    **dict(zip("օսհոց", "ouhng")),
+    **dict(zip("ɑɡıȷɩ", "agiji")),
 }
 _FOLD = np.zeros(max(map(ord, HOMOGLYPHS)) + 1, dtype=np.uint32)  # code point -> Latin (0: none)
 _FOLD[[ord(c) for c in HOMOGLYPHS]] = [ord(c) for c in HOMOGLYPHS.values()]
@@ -140,6 +160,7 @@ class View:
     char_to_byte: np.ndarray = field(repr=False)  # view char index -> byte offset in raw (len(text)+1)
     byte_to_raw: np.ndarray = field(repr=False)  # view byte offset -> byte offset in raw (len(clean)+1)
     changed: bool = False  # False: the view is the decoded text itself
+    alt: View | None = None  # the second reading (marks dropped, separators deleted) where it differs
 
     def byte_offset(self, char_index: int) -> int:
         return int(self.char_to_byte[char_index])
@@ -147,23 +168,41 @@ class View:
     def raw_offset(self, view_byte: int) -> int:
         return int(self.byte_to_raw[view_byte])
 
+    @property
+    def readings(self) -> tuple[View, ...]:
+        """The readings that differ from the decoded text, each to be scanned: the view, its alt."""
+        return tuple(v for v in (self, self.alt) if v is not None and v.changed)
 
-_IGNORE, _ALPHA, _NFKC_CHANGES = 1, 2, 4
+
+_IGNORE, _ALPHA, _NFKC_CHANGES, _SEPARATOR, _MARKED, _COMBINING = 1, 2, 4, 8, 16, 32
+_MARKS = frozenset({"Mn", "Me"})
+
+
+def _marked(ch: str) -> bool:
+    """A combining mark, or a character whose compatibility decomposition holds one (é, ǵ, で)."""
+    return unicodedata.category(ch) in _MARKS or bool(unicodedata.decomposition(ch)) and any(
+        unicodedata.category(c) in _MARKS for c in unicodedata.normalize("NFKD", ch))
 
 
 @functools.cache
 def unicode_tables() -> np.ndarray:
-    """One flag byte per code point (ignorable, alphabetic, changed by NFKC): built once (~0.3 s),
-    so that the view costs numpy lookups per character and Python work only per distinct change."""
+    """One flag byte per code point (ignorable, alphabetic, changed by NFKC, separator, marked,
+    combining mark):
+    built once (~0.3 s), so that the views cost numpy lookups per character and Python work only
+    per distinct change."""
     flags = np.zeros(0x110000, dtype=np.uint8)
     for cp in range(0x80, 0x110000):
         if 0xD800 <= cp <= 0xDFFF:
             continue
         ch = chr(cp)
         flags[cp] = ((_IGNORE if unicodedata.category(ch) == "Cf" else 0) | (_ALPHA if ch.isalpha() else 0)
-                     | (0 if unicodedata.is_normalized("NFKC", ch) else _NFKC_CHANGES))
+                     | (0 if unicodedata.is_normalized("NFKC", ch) else _NFKC_CHANGES)
+                     | (_MARKED if _marked(ch) else 0)
+                     | (_COMBINING if unicodedata.category(ch) in _MARKS else 0))
     for lo, hi in _IGNORABLE_RANGES:
         flags[lo : hi + 1] |= _IGNORE
+    for lo, hi in _SEPARATOR_RANGES:
+        flags[lo : hi + 1] |= _SEPARATOR
     return flags
 
 
@@ -173,14 +212,23 @@ def word_chars(cps: np.ndarray) -> np.ndarray:
     return ascii_word | ((unicode_tables()[cps] & _ALPHA) != 0)
 
 
-def _replacements(unique: np.ndarray) -> dict[int, str]:
-    """NFKC image of each distinct code point that changes ('' for ignorables), ignorables removed."""
+def _image(cp: int, flags: np.ndarray, alt: bool) -> str:
+    """What one code point reads as in the view (``alt``: in the second reading)."""
+    if flags[cp] & _SEPARATOR:
+        return "" if alt else " "
+    if flags[cp] & _IGNORE:
+        return ""
+    ch = chr(cp)
+    if alt and flags[cp] & _MARKED:
+        ch = "".join(c for c in unicodedata.normalize("NFKD", ch) if unicodedata.category(c) not in _MARKS)
+    return "".join(c for c in unicodedata.normalize("NFKC", ch) if not flags[ord(c)] & _IGNORE)
+
+
+def _replacements(unique: np.ndarray, alt: bool) -> dict[int, str]:
+    """The image of each distinct code point that changes in the view (``alt``: in the second reading)."""
     flags = unicode_tables()
-    out: dict[int, str] = {}
-    for cp in unique[(flags[unique] & (_IGNORE | _NFKC_CHANGES)) != 0].tolist():
-        nf = "" if flags[cp] & _IGNORE else unicodedata.normalize("NFKC", chr(cp))
-        out[cp] = "".join(c for c in nf if not flags[ord(c)] & _IGNORE)
-    return out
+    changing = _IGNORE | _NFKC_CHANGES | _SEPARATOR | (_MARKED if alt else 0)
+    return {cp: _image(cp, flags, alt) for cp in unique[(flags[unique] & changing) != 0].tolist()}
 
 
 def _fold_homoglyphs(cps: np.ndarray) -> np.ndarray:
@@ -214,25 +262,38 @@ def _expand(cps: np.ndarray, table: dict[int, str]) -> tuple[np.ndarray, np.ndar
     return out.astype(np.uint32), source
 
 
-def detection_view(doc: Decoded) -> View:
-    """The normalised text the injection layers scan, with maps back to ``doc.raw`` (linear time)."""
-    identity = View(doc.clean, doc.text, doc.char_to_byte, np.arange(len(doc.clean) + 1, dtype=np.int64))
-    if doc.text.isascii():
-        return identity
-    cps = doc.cps  # invalid bytes as "?": one byte each in the view too
-    table = _replacements(np.unique(cps))
+def _reading(doc: Decoded, table: dict[int, str]) -> View | None:
+    """``doc`` with ``table`` applied and homoglyphs folded (None: nothing changes)."""
+    cps, char_to_byte = doc.cps, doc.char_to_byte  # invalid bytes as "?": one byte each in the view too
     if table:
         cps, source = _expand(cps, table)
         char_to_byte = np.append(doc.char_to_byte[:-1][source], doc.char_to_byte[-1])
-    else:
-        char_to_byte = doc.char_to_byte
     folded = _fold_homoglyphs(cps)
     if not table and folded is cps:
-        return identity
+        return None
     text = folded.astype("<u4").tobytes().decode("utf-32-le", "surrogatepass")
     clean = text.encode("utf-8", "surrogatepass")
     byte_to_raw = np.append(np.repeat(char_to_byte[:-1], _utf8_lengths(folded)), char_to_byte[-1])
     return View(clean, text, char_to_byte, byte_to_raw, changed=True)
+
+
+def detection_view(doc: Decoded) -> View:
+    """The normalised text the injection layers scan, and its second reading where that differs,
+    with maps back to ``doc.raw`` (linear time)."""
+    identity = View(doc.clean, doc.text, doc.char_to_byte, np.arange(len(doc.clean) + 1, dtype=np.int64))
+    if doc.text.isascii():
+        return identity
+    unique = np.unique(doc.cps)
+    view = _reading(doc, _replacements(unique, alt=False)) or identity
+    return replace(view, alt=_reading(doc, _replacements(unique, alt=True))) if _needs_alt(unique) else view
+
+
+def _needs_alt(unique: np.ndarray) -> bool:
+    """Whether the text holds a separator or a combining mark that is not ignorable: only those make
+    the two readings differ in a way that hides a word or token. Precomposed accents alone (any
+    French text) do not, so ordinary accented text costs one reading."""
+    flags = unicode_tables()[unique]
+    return bool(np.any((flags & _SEPARATOR) | ((flags & _COMBINING) & ~(flags & _IGNORE))))
 
 
 

@@ -55,10 +55,11 @@ class Gate:
         findings = _encoding_findings(doc)
         view = detection_view(doc)  # normalised text for detection; findings keep raw offsets
         secrets = self.secrets.scan(doc.clean)
-        if view.changed:  # a token split by zero-width characters or spelled in fullwidth is still one
+        for reading in view.readings:  # a token split by zero-width characters, a combining mark or a
+            # no-break space, or spelled in fullwidth, is still one; its span covers what split it
             seen = {(f.rule_id, f.byte_start, f.byte_end) for f in secrets}
-            moved = (replace(f, byte_start=view.raw_offset(f.byte_start), byte_end=view.raw_offset(f.byte_end))
-                     for f in self.secrets.scan(view.clean))
+            moved = (replace(f, byte_start=reading.raw_offset(f.byte_start), byte_end=reading.raw_offset(f.byte_end))
+                     for f in self.secrets.scan(reading.clean))
             secrets += [f for f in moved if (f.rule_id, f.byte_start, f.byte_end) not in seen]
         spans = [(f.byte_start, f.byte_end) for f in secrets]
         findings += secrets
@@ -70,6 +71,7 @@ class Gate:
             findings=tuple(findings),
             bytes_scanned=len(doc.raw),
             elapsed_us=(time.perf_counter_ns() - t0) // 1000,
+            normalised=bool(view.readings),
         )
         return report
 

@@ -32,6 +32,9 @@ class GateReport:
     findings: tuple[Finding, ...]
     bytes_scanned: int
     elapsed_us: int
+    # The gate also read a normalised text (gate._text.detection_view) that differs from the bytes:
+    # its evidence may be in a reading a model's own view of the text never had.
+    normalised: bool = False
 
     def to_dict(self) -> dict:
         out = asdict(self)

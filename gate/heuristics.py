@@ -101,6 +101,11 @@ class HeuristicScanner:
     # else reads the normalised view (gate._text.detection_view), offsets mapped back to raw bytes.
     _ON_RAW = frozenset({"hidden-unicode-tags", "hidden-zero-width", "hidden-bidi"})
 
+    # The second reading (View.alt: combining marks dropped, invisible separators deleted) is read
+    # by the phrase rules and the learned window: the detectors for hidden text already read the
+    # raw text or the view, and a second pass of theirs would find the same regions again.
+    _ON_ALT = frozenset({"learned-window"})
+
     def scan(self, doc: Decoded, view: View, excerpt: Excerpt) -> list[Finding]:
         findings: list[Finding] = []
         triggered = set(self.matcher.triggered(view.clean))
@@ -109,13 +114,30 @@ class HeuristicScanner:
         for ident in sorted(triggered):
             rule = self.rules[ident]
             if rule.regex:
-                for s, e in self._spans.spans(ident, view.clean):
-                    b0, b1 = view.raw_offset(s), view.raw_offset(e)
-                    findings.append(Finding("injection", rule.id, "rules", b0, b1, rule.score, excerpt(b0, b1)))
+                findings.extend(self._phrase_findings(ident, view, excerpt))
             else:
                 source = doc if rule.id in self._ON_RAW else view
                 findings.extend(getattr(self, "_" + rule.id.replace("-", "_"))(source, rule, excerpt))
+        if view.alt is not None:
+            seen = set(findings)
+            findings.extend(f for f in self._scan_alt(view.alt, excerpt) if f not in seen)
         return findings
+
+    def _scan_alt(self, alt: View, excerpt: Excerpt) -> Iterator[Finding]:
+        """The phrase rules and the learned window on the second reading, where the evasions that
+        one reading undoes (marks on every letter, a separator between every letter) read plainly."""
+        for ident in sorted(set(self.matcher.triggered(alt.clean))):
+            rule = self.rules[ident]
+            if rule.regex:
+                yield from self._phrase_findings(ident, alt, excerpt)
+            elif rule.id in self._ON_ALT:
+                yield from getattr(self, "_" + rule.id.replace("-", "_"))(alt, rule, excerpt)
+
+    def _phrase_findings(self, ident: int, view: View, excerpt: Excerpt) -> Iterator[Finding]:
+        rule = self.rules[ident]
+        for s, e in self._spans.spans(ident, view.clean):
+            b0, b1 = view.raw_offset(s), view.raw_offset(e)
+            yield Finding("injection", rule.id, "rules", b0, b1, rule.score, excerpt(b0, b1))
 
     # ----------------------------------------------------------------- content scoring
 
