@@ -159,12 +159,12 @@ _SPACE = re.compile(r"\s+")
 
 def normalised_sha256(raw: bytes) -> str:
     """SHA-256 of the gate's detection view of `raw` (NFKC, default-ignorables removed, look-alikes
-    folded) with every whitespace run, line endings included, collapsed to one space and the ends
-    stripped. Quarantined content is refused again by this hash as well as by its exact bytes, so a
-    trailing space, CRLF, an NBSP, a zero-width space or one fullwidth letter does not make it new
-    (red team #13 F3)."""
+    folded) with all whitespace, line endings included, removed. Quarantined content is refused
+    again by this hash as well as by its exact bytes, so a trailing space, a line break added or
+    CRLF for LF, an NBSP, a zero-width space or one fullwidth letter does not make it new (red team
+    #13 F3)."""
     text = detection_view(decode(raw)).text
-    return hashlib.sha256(_SPACE.sub(" ", text).strip().encode("utf-8", "surrogatepass")).hexdigest()
+    return hashlib.sha256(_SPACE.sub("", text).encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def name_folds(*names: str | None) -> tuple[str, ...]:

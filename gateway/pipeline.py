@@ -19,7 +19,6 @@ as they were through `restore`. Until `commit` returns, nothing of the turn is i
 from __future__ import annotations
 
 import time
-import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
@@ -166,13 +165,6 @@ def _identity(calls: list[tuple[str, str]], issued: dict[str, str]) -> dict[str,
         return tool_identity(claimed, source="client", claimed_name=claimed, folded=folded)
     name = ",".join(r for r in recorded if r is not None)
     return tool_identity(name, source="gateway", claimed_name=claimed, verified=name == claimed, folded=folded)
-
-
-def not_normal(content: bytes) -> bool:
-    """Whether the gate's normalised reading differs from what the model reads (NFKC changes the
-    text, or it holds format characters such as soft hyphens or bidi controls)."""
-    text = content.decode("utf-8", "replace")
-    return unicodedata.normalize("NFKC", text) != text or any(unicodedata.category(c) == "Cf" for c in text)
 
 
 @dataclass(frozen=True)
@@ -329,8 +321,8 @@ class Pipeline:
         channels = [channel_of(conv, m, tool_spec) for m in new]
         with fails_as("gate"):
             reports = self._scan(new, channels)
-            blind = [report.injection > alone.injection or not_normal(m.content)
-                     for m, (report, alone) in zip(new, reports)]
+            blind = [report.injection > alone.injection or report.normalised or alone.normalised
+                     for report, alone in reports]
         quarantined = self._quarantined_hashes(turn.live)
         with fails_as("ledger"):
             issued = self.p.ledger.tool_calls.names(turn.live.record.id)

@@ -12,7 +12,7 @@
 #                             (mcp only: a tool's result, a call's arguments, a tool's listing)
 #     "content_sha256": string                                         (optional)
 #     "content_norm_sha256": string   (optional: the hash of the content's normalised form, NFKC,
-#                                      ignorables removed, whitespace collapsed and stripped)
+#                                      ignorables removed, all whitespace removed)
 #     "session": {"id": string, "age_s": number, "tokens": number,
 #                 "quarantined_hashes": [string, ...]}                  (optional list)
 #     "tool":    {"name": string, "claimed_name": string | null, "verified": boolean,

@@ -131,7 +131,11 @@ def test_an_injection_in_tool_call_arguments_is_not_admitted_as_is(live_gateway)
 @pytest.mark.parametrize("payload", [
     "".join(chr(ord(c) + 0xFEE0) if "!" <= c <= "~" else c for c in PAYLOAD),  # fullwidth
     PAYLOAD.replace("nore", "\u00adnore").replace("struc", "struc\u00ad"),  # soft hyphens inside words
-], ids=["fullwidth", "soft-hyphen"])
+    "\ufe0f".join(PAYLOAD),  # a variation selector after every character (red team #13 F2a)
+    PAYLOAD.replace(" ", "\u3164"),  # Hangul fillers for spaces (F2b)
+    "".join(c + "\u0301" if c.isalpha() else c for c in PAYLOAD),  # a combining accent on every letter (F2c)
+    PAYLOAD.translate(str.maketrans("oaie", "\u03bf\u03b1\u03b9\u03b5")),  # Greek look-alikes (F2d)
+], ids=["fullwidth", "soft-hyphen", "variation-selectors", "hangul-filler", "combining-marks", "greek"])
 def test_obfuscated_payloads_in_tool_results_are_quarantined(live_gateway, payload):
     key = live_gateway.new_key("chan-norm", user="nora")
     with live_gateway.client(key) as http:
