@@ -112,14 +112,15 @@ def partial_stack_scores(rows: list[dict], byte: np.ndarray, *, name: str) -> tu
 
 def stack_scores(rows: list[dict], byte: np.ndarray, *, name: str, threads: int = 2,
                  probe: InjectionProbe | None = None, model_dir: Path | None = None,
-                 cache_dir: Path = CACHE_DIR) -> tuple[np.ndarray, np.ndarray, bool]:
+                 cache_dir: Path | None = None) -> tuple[np.ndarray, np.ndarray, bool]:
     """Per row: the probe's calibrated score and its stack with the byte gate's ``byte`` score
     (the ``injection`` the gateway's policy receives), and whether the states came from the cache.
     ``model_dir``: the converted checkpoint (``lethe prepare``); default the repository's var/models."""
     probe = probe or InjectionProbe.load()
     extractor = lambda: Extractor(model_dir=model_dir, layers=probe.layers, threads=threads) if model_dir else \
         Extractor(layers=probe.layers, threads=threads)
-    feats, cached = window_table(extractor, [r["text"] for r in rows], probe.layers, probe.window, name, cache_dir)
+    feats, cached = window_table(extractor, [r["text"] for r in rows], probe.layers, probe.window, name,
+                                 cache_dir or CACHE_DIR)  # read at call time: tests point CACHE_DIR elsewhere
     probe_p = np.array([probe.calibrate(probe_logit(probe, f)) for f in feats])
     return probe_p, np.array([probe.combine(p, q) for p, q in zip(probe_p, byte)]), cached
 
