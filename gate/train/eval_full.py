@@ -32,7 +32,7 @@ from gate.train.train_probe import CACHE_DIR, PREFIXES, Extractor
 
 
 def window_table(extractor: Callable[[], Extractor], texts: list[str], layers: tuple[int, ...], window: int,
-                 name: str, cache_dir: Path = CACHE_DIR) -> tuple[list[np.ndarray], bool]:
+                 name: str, cache_dir: Path | None = None) -> tuple[list[np.ndarray], bool]:
     """Per text, its windows' mean states (``window_features``), cached by content and settings.
 
     Returns the table and whether it came from the cache (the model is only loaded on a miss).
@@ -68,7 +68,9 @@ def window_table(extractor: Callable[[], Extractor], texts: list[str], layers: t
 CHUNK = 25
 
 
-def cache_path(texts: list[str], layers: tuple[int, ...], window: int, name: str, cache_dir: Path = CACHE_DIR) -> Path:
+def cache_path(texts: list[str], layers: tuple[int, ...], window: int, name: str, cache_dir: Path | None = None) -> Path:
+    """Where a table is cached; ``cache_dir`` None reads the module's ``CACHE_DIR`` at call time (tests redirect it)."""
+    cache_dir = cache_dir or CACHE_DIR
     key = hashlib.sha256(json.dumps([texts, layers, window, PREFIXES]).encode()).hexdigest()[:16]
     return cache_dir / f"full-{name}-{key}.npz"
 

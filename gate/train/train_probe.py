@@ -1,6 +1,7 @@
 """Reproducible training of the hidden-state injection probe (:mod:`gate.probe`).
 
-    nice -n 10 python -m gate.train.train_probe          # writes gate/weights/probe.{npz,json}
+    nice -n 10 python -m gate.train.train_probe          # writes gate/weights/probe_base.{npz,json}
+    # then gate.train.probe_features + gate.train.probe_cv --ship refine it into the shipped probe.npz
     python -m gate.train.train_probe --full --threads 2  # the same, on whole documents
     # a probe for another LETHE_MODEL (its converted dir from `lethe prepare`), with the by-kind report:
     python -m gate.train.train_probe --model-dir var/models/<model> --out var/probe-<model>.npz --kinds gate/data/kinds.jsonl
@@ -51,6 +52,7 @@ log = structlog.get_logger(__name__)
 REPO = Path(__file__).resolve().parents[2]
 MODEL_DIR = REPO / "var" / "models" / "SmolLM2-135M-Instruct"
 CACHE_DIR = REPO / "var" / "probe_features"
+BASE_PROBE_PATH = PROBE_PATH.with_name("probe_base.npz")
 CANDIDATE_LAYERS = (3, 6, 9, 12, 15, 18, 21)
 GRID_L2 = (1e-3, 1e-2, 1e-1)
 
@@ -342,7 +344,8 @@ def _stack(p1: np.ndarray, p2: np.ndarray) -> np.ndarray:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bipia", type=Path, default=BIPIA_DIR)
-    ap.add_argument("--out", type=Path, default=PROBE_PATH)
+    ap.add_argument("--out", type=Path, default=BASE_PROBE_PATH,
+                    help="SmolLM2's default is the base probe that gate.train.probe_cv refines and ships as probe.npz")
     ap.add_argument("--full", action="store_true", help="train and calibrate on whole documents (plan FULL)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--model-dir", type=Path, default=MODEL_DIR,

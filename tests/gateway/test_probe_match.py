@@ -72,6 +72,10 @@ def test_policy_input_names_the_scorer_so_each_gets_its_own_threshold() -> None:
     engine = PolicyEngine()
     base = {"tenant": "nobody", "user": "u", "session": {"id": "s", "age_s": 1, "tokens": 10}, "tool": "web.fetch",
             "span": {"bytes": 10, "tokens": 5}}
-    gate = {"injection": 0.6, "secret": 0.0, "findings": []}
-    assert engine.decide({**base, "gate": {**gate, "scorer": "byte_gate"}}).action == "quarantine"
-    assert engine.decide({**base, "gate": {**gate, "scorer": "stack"}}).action == "allow"
+    limits = engine.evaluate("lethe/tenant_settings", {"tenant": "nobody"})["thresholds"]
+    stack_t, byte_t = limits["injection"], limits["injection_byte_gate"]
+    assert stack_t != byte_t
+    gate = {"injection": (stack_t + byte_t) / 2, "secret": 0.0, "findings": []}  # between the two thresholds
+    want = {"byte_gate": "quarantine" if byte_t < stack_t else "allow", "stack": "quarantine" if stack_t < byte_t else "allow"}
+    for scorer, action in want.items():
+        assert engine.decide({**base, "gate": {**gate, "scorer": scorer}}).action == action

@@ -1,0 +1,345 @@
+"""Leave-kinds-out cross-validation of the injection probe and its stack, and the shipped fit.
+
+    nice -n 10 python -m gate.train.probe_features            # once: cache the states (resumable)
+    python -m gate.train.probe_cv --cv > var/probe_cv.json      # seconds per setting from the cache
+    python -m gate.train.probe_cv --ship 8                      # write gate/weights/probe.{npz,json}
+
+Why: a probe chosen and calibrated on held-out *rows* looks good and fails on *kinds* it never
+saw (the wide set's figures). Here the wide set's host kinds go into ``HOST_FOLDS`` and its attack
+kinds into ``ATTACK_FOLDS``; model (i, j) trains on the training corpus, the contrast kinds and
+every wide row whose host kind is not in fold i and whose attack kind is not in fold j. Benign
+rows of fold i are scored by the four models (i, *), each with weight 1/4; an injected row with
+host in fold i and attack in fold j by model (i, j) alone: every score comes from a model that
+never saw its row's host kind nor its attack kind. Calibration (Platt on the window-max logit),
+the stack with the byte gate and the threshold for held-out fold i are fitted on the
+out-of-fold scores of the other folds only. Settings are chosen by the pooled cross-validated
+figure; the shipped probe is refitted on everything, calibrated on all out-of-fold scores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from gate.evaluate import roc_auc
+from gate.probe import PROBE_PATH, InjectionProbe
+from gate.train.kind_eval import ece, fit_logistic
+from gate.train.probe_features import LAYERS, WINDOW, FeatureSet, load_all
+from gate.train.train_probe import BASE_PROBE_PATH as BASE_PROBE
+from gate.train.train_probe import CACHE_DIR, fit_logreg
+
+HOST_FOLDS = (
+    {"readme-install", "calendar", "service-log", "real-source", "real-json"},
+    {"notes", "travel-json", "shell-history", "real-docstring"},
+    {"todo-email", "banking-json", "docs-html", "config-secret", "short-output"},
+    {"chat-json", "plain-config", "lookalike", "real-readme"},
+)
+ATTACK_FOLDS = (
+    {"new:tool_hijack", "bipia-text:Space Removal & Grouping"},
+    {"new:short_output", "bipia-code:Cookie Theft", "bipia-text:Information Retrieval", "synth:scam"},
+    {"bipia-code:Exploiting System Vulnerabilities", "bipia-text:Malware Distribution", "synth:manipulate_output"},
+    {"bipia-code:Sending Out Spam Emails", "bipia-text:Persuasion"},
+)
+TARGET_FPR = 0.01
+
+
+@dataclass(frozen=True)
+class Setting:
+    layers: tuple[int, ...]
+    l2: float
+    mil_top: int  # windows of an unlabelled injected document taken as positives
+    contrast: bool  # train on the contrast kinds
+    prior: bool = True  # the corpus-trained base probe's window logit is a feature
+
+
+def _fold(value: str | None, folds: tuple[set[str], ...]) -> int:
+    return next((i for i, f in enumerate(folds) if value in f), -1)
+
+
+def matrices(fs: FeatureSet, cols: np.ndarray, prior: InjectionProbe | None) -> list[np.ndarray]:
+    """Per row, its windows' features for a setting: the chosen layers' columns, and the base
+    probe's window logit when ``prior`` is given (what the corpus taught, kept as one feature)."""
+    out = []
+    pcols = fs.layer_slice(prior.layers) if prior is not None else None
+    for f in fs.feats:
+        x = f[:, cols].astype(np.float32)
+        if prior is not None:
+            z = ((f[:, pcols].astype(np.float64) - prior.mean) / prior.scale) @ prior.coef + prior.intercept
+            x = np.concatenate([x, z[:, None].astype(np.float32)], axis=1)
+        out.append(x)
+    return out
+
+
+def window_set(fs: FeatureSet, mats: list[np.ndarray], idx: np.ndarray, base_logits: list[np.ndarray] | None, top: int):
+    """Training windows of rows ``idx``: spans label windows; unlabelled injected rows contribute
+    their ``top`` windows by ``base_logits`` (multiple-instance), benign rows every window."""
+    xs, ys = [], []
+    stride = WINDOW // 2
+    for i in idx:
+        row, f = fs.rows[i], mats[i]
+        if row["label"] != "injection":
+            xs.append(f), ys.append(np.zeros(len(f)))
+        elif "tokens" in row:
+            a, b = row["tokens"]
+            st = np.arange(len(f)) * stride
+            overlap = np.clip(np.minimum(st + WINDOW, b) - np.maximum(st, a), 0, None)
+            need = max(1, min(WINDOW, b - a) / 2)
+            keep = (overlap >= need) | (overlap == 0)
+            xs.append(f[keep]), ys.append((overlap[keep] >= need).astype(float))
+        elif base_logits is not None:
+            best = np.argsort(-base_logits[i])[:top]
+            xs.append(f[best]), ys.append(np.ones(len(best)))
+    return np.concatenate(xs).astype(np.float32), np.concatenate(ys)
+
+
+def window_logits(mats: list[np.ndarray], idx, fitted) -> list[np.ndarray]:
+    mean, scale, coef, b = fitted
+    w = (coef / scale).astype(np.float32)
+    bias = b - float((mean / scale) @ coef)
+    return [mats[i] @ w + bias for i in idx]
+
+
+def fit(sets: dict[str, FeatureSet], mats: dict[str, list[np.ndarray]], wide_idx: np.ndarray, s: Setting):
+    """Probe on the corpus (when cached), the contrast kinds (when chosen) and the given wide rows.
+    An injected wide row has no span: its ``mil_top`` windows by the base probe's logit (the last
+    feature), or without one by a first fit on the labelled rows, are its positives."""
+    names = [n for n in ("corpus", "contrast") if n in sets and (n != "contrast" or s.contrast)]
+    labelled = [window_set(sets[n], mats[n], np.arange(len(sets[n].rows)), None, 0) for n in names]
+    wide, wm = sets["wide"], mats["wide"]
+    if s.prior:
+        lookup = [m[:, -1] for m in wm]
+    else:
+        benign = np.array([i for i in wide_idx if wide.rows[i]["label"] != "injection"], dtype=int)
+        lookup = window_logits(wm, range(len(wm)), fit_logreg(*_cat(labelled + [window_set(wide, wm, benign, None, 0)]), s.l2))
+    return fit_logreg(*_cat(labelled + [window_set(wide, wm, np.asarray(wide_idx, dtype=int), lookup, s.mil_top)]), s.l2)
+
+
+def _cat(pairs):
+    return np.concatenate([p[0] for p in pairs]), np.concatenate([p[1] for p in pairs])
+
+
+def cross_validate(sets: dict[str, FeatureSet], s: Setting) -> dict:
+    """Out-of-fold window-max logits of every wide row (benign: one per attack fold)."""
+    wide = sets["wide"]
+    prior = InjectionProbe.load(BASE_PROBE) if s.prior else None
+    mats = {n: matrices(fs, fs.layer_slice(s.layers), prior) for n, fs in sets.items()}
+    hf = np.array([_fold(r["kind"], HOST_FOLDS) for r in wide.rows])
+    af = np.array([_fold(r.get("attack"), ATTACK_FOLDS) for r in wide.rows])
+    if (hf < 0).any():
+        raise SystemExit(f"kinds without a fold: {sorted({r['kind'] for r, f in zip(wide.rows, hf) if f < 0})}")
+    oof = np.full((len(wide.rows), len(ATTACK_FOLDS)), np.nan)
+    for i in range(len(HOST_FOLDS)):
+        for j in range(len(ATTACK_FOLDS)):
+            test = np.flatnonzero((hf == i) & ((af == j) | (af < 0)))
+            if not len(test):
+                continue
+            fitted = fit(sets, mats, np.flatnonzero((hf != i) & (af != j)), s)
+            for k, z in zip(test, window_logits(mats["wide"], test, fitted)):
+                oof[k, j] = z.max()
+            print(f"[probe_cv] {s} fold ({i},{j}) done", file=sys.stderr, flush=True)
+    return {"oof": oof, "host_fold": hf}
+
+
+def expand(wide: FeatureSet, oof: np.ndarray, hf: np.ndarray, byte: np.ndarray):
+    """Flatten to scored instances: (row, logit, byte score, label, weight, host fold)."""
+    out = []
+    for k, r in enumerate(wide.rows):
+        js = np.flatnonzero(~np.isnan(oof[k]))
+        for j in js:
+            out.append((k, oof[k, j], byte[k], float(r["label"] == "injection"), 1.0 / len(js), hf[k]))
+    a = np.array(out)
+    return {"row": a[:, 0].astype(int), "z": a[:, 1], "byte": a[:, 2], "y": a[:, 3], "w": a[:, 4], "fold": a[:, 5].astype(int)}
+
+
+def _lg(p):
+    p = np.clip(p, 1e-6, 1 - 1e-6)
+    return np.log(p / (1 - p))
+
+
+def stack_features(z: np.ndarray, byte: np.ndarray, with_byte: bool) -> np.ndarray:
+    return np.stack([z, _lg(byte)], axis=1) if with_byte else z[:, None]
+
+
+def weighted_threshold(score, y, w, fpr: float) -> float:
+    """Lowest threshold t with weighted FPR(score > t) <= fpr."""
+    neg = np.argsort(-score[y == 0])
+    s, ww = score[y == 0][neg], w[y == 0][neg]
+    cum = np.cumsum(ww) / ww.sum()
+    k = np.searchsorted(cum, fpr, side="right")
+    return float(s[k]) if k < len(s) else float(-np.inf)
+
+
+def _rates(score, y, w, t):
+    return {"recall": round(float((score[y == 1] > t).mean()), 3),
+            "fpr": round(float(np.sum(w[y == 0] * (score[y == 0] > t)) / np.sum(w[y == 0])), 4)}
+
+
+def score_folds(inst: dict, with_byte: bool, fpr: float = TARGET_FPR) -> dict:
+    """Per held-out host fold: calibrated stack and threshold fitted on the other folds' instances."""
+    p = np.zeros(len(inst["z"]))
+    hits = {"recall": [], "fpr_num": 0.0, "fpr_den": 0.0, "thresholds": []}
+    feats = stack_features(inst["z"], inst["byte"], with_byte)
+    y, w = inst["y"], inst["w"]
+    for i in range(len(HOST_FOLDS)):
+        te, tr = inst["fold"] == i, inst["fold"] != i
+        coef = fit_logistic(feats[tr], y[tr], l2=1e-3)
+        p[te] = 1 / (1 + np.exp(-(feats[te] @ coef[:-1] + coef[-1])))
+        ptr = 1 / (1 + np.exp(-(feats[tr] @ coef[:-1] + coef[-1])))
+        t = weighted_threshold(ptr, y[tr], w[tr], fpr)
+        hits["thresholds"].append(round(t, 4))
+        hits["recall"] += list(p[te & (y == 1)] > t)
+        hits["fpr_num"] += float(np.sum(w[te & (y == 0)] * (p[te & (y == 0)] > t)))
+        hits["fpr_den"] += float(np.sum(w[te & (y == 0)]))
+    t_pool = weighted_threshold(p, y, w, fpr)
+    return {"p": p, "recall_at_1pct_fpr": _rates(p, y, w, t_pool)["recall"], "auc": round(roc_auc(p, y), 4),
+            "ece": round(ece(p, y), 3),
+            "at_training_fold_threshold": {"thresholds": hits["thresholds"], "recall": round(float(np.mean(hits["recall"])), 3),
+                                           "fpr": round(hits["fpr_num"] / hits["fpr_den"], 4)}}
+
+
+def report(wide: FeatureSet, inst: dict, res: dict, threshold: float | None = None) -> dict:
+    """Per host kind and per attack kind of the pooled out-of-fold scores."""
+    p, y, w = res["p"], inst["y"], inst["w"]
+    t1 = weighted_threshold(p, y, w, TARGET_FPR)
+    kinds = np.array([wide.rows[k]["kind"] for k in inst["row"]])
+    attacks = np.array([wide.rows[k].get("attack", "") for k in inst["row"]])
+    by_kind = {}
+    for kind in sorted(set(kinds)):
+        m = kinds == kind
+        pos, neg = m & (y == 1), m & (y == 0)
+        entry = {"negatives": int(round(w[neg].sum())), "injections": int(pos.sum()),
+                 "recall_at_1pct_fpr": round(float((p[pos] > t1).mean()), 3) if pos.any() else None,
+                 "fpr_at_1pct_threshold": round(float(np.sum(w[neg] * (p[neg] > t1)) / w[neg].sum()), 3) if neg.any() else None,
+                 "ece": round(ece(p[m], y[m]), 3)}
+        if threshold is not None:
+            entry.update(fpr_at_policy=round(float(np.sum(w[neg] * (p[neg] >= threshold)) / w[neg].sum()), 3) if neg.any() else None,
+                         recall_at_policy=round(float((p[pos] >= threshold).mean()), 3) if pos.any() else None)
+        by_kind[kind] = entry
+    by_attack = {a: round(float((p[(attacks == a) & (y == 1)] > t1).mean()), 3) for a in sorted(set(attacks[y == 1]))}
+    return {"threshold_1pct_pooled": round(t1, 4), "by_kind": by_kind, "by_attack_recall_at_1pct_fpr": by_attack}
+
+
+def byte_scores(rows: list[dict], name: str) -> np.ndarray:
+    """The byte gate's injection probability per row, cached by content."""
+    from gate.core import Gate
+
+    key = hashlib.sha256(json.dumps([r["text"] for r in rows]).encode()).hexdigest()[:16]
+    path = CACHE_DIR / f"byte-{name}-{key}.npy"
+    if path.is_file():
+        return np.load(path)
+    gate = Gate()
+    out = np.array([gate.scan(r["text"].encode("utf-8", "surrogatepass")).injection for r in rows])
+    np.save(path, out)
+    return out
+
+
+SETTINGS = [
+    Setting((), 1e-3, 2, False),  # the base probe alone, recalibrated and stacked out of fold: the reference
+    Setting((12, 18), 1e-3, 2, True), Setting(LAYERS, 1e-3, 2, True), Setting(LAYERS, 1e-2, 2, True),
+    Setting((9, 12, 15, 18), 1e-2, 2, True), Setting(LAYERS, 1e-2, 2, False), Setting(LAYERS, 1e-2, 1, True),
+    Setting((12, 18), 1e-2, 2, True, prior=False), Setting(LAYERS, 1e-1, 2, True), Setting(LAYERS, 1e-2, 4, True),
+    Setting(LAYERS, 1.0, 2, True), Setting(LAYERS, 1e-1, 2, False),
+]
+
+
+def run_cv(sets, settings) -> list[dict]:
+    wide = sets["wide"]
+    byte = byte_scores(wide.rows, "wide")
+    out = []
+    for s in settings:
+        cv = cross_validate(sets, s)
+        inst = expand(wide, cv["oof"], cv["host_fold"], byte)
+        entry = {"setting": s.__dict__ | {"layers": list(s.layers)}}
+        for name, wb in (("probe", False), ("stack", True)):
+            res = score_folds(inst, wb)
+            entry[name] = {k: v for k, v in res.items() if k != "p"}
+            if wb:
+                entry[name]["detail"] = report(wide, inst, res)
+        print(f"[probe_cv] {json.dumps({k: entry[k] if k == 'setting' else {x: y for x, y in entry[k].items() if x != 'detail'} for k in entry})}",
+              file=sys.stderr, flush=True)
+        out.append(entry)
+    return out
+
+
+def fold_prior(fitted, layers: tuple[int, ...], prior: InjectionProbe | None):
+    """One linear read-out over ``probe_layers``' states (mean 0, scale 1): the fitted weights on
+    the chosen layers plus the base probe's weights scaled by its feature's coefficient."""
+    mean, scale, coef, b = fitted
+    probe_layers = tuple(sorted(set(layers) | set(prior.layers if prior else ())))
+    d = 576
+    w = np.zeros(len(probe_layers) * d)
+    at = lambda layer: slice(probe_layers.index(layer) * d, (probe_layers.index(layer) + 1) * d)  # noqa: E731
+    direct = coef[: len(layers) * d] / scale[: len(layers) * d]
+    for k, layer in enumerate(layers):
+        w[at(layer)] += direct[k * d : (k + 1) * d]
+    bias = b - float(direct @ mean[: len(layers) * d])
+    if prior is not None:
+        gz = coef[-1] / scale[-1]
+        pw = prior.coef / prior.scale
+        for k, layer in enumerate(prior.layers):
+            w[at(layer)] += gz * pw[k * d : (k + 1) * d]
+        bias += gz * (prior.intercept - float((prior.mean / prior.scale) @ prior.coef) - mean[-1])
+    return probe_layers, w, bias
+
+
+def ship(sets: dict[str, FeatureSet], s: Setting, out: Path) -> dict:
+    """Fit on everything; Platt, stack and the policy threshold from the cross-validated scores."""
+    from gate.train.train_probe import model_identity
+
+    wide = sets["wide"]
+    byte = byte_scores(wide.rows, "wide")
+    cv = cross_validate(sets, s)
+    inst = expand(wide, cv["oof"], cv["host_fold"], byte)
+    y, wt = inst["y"], inst["w"]
+    a, c = fit_logistic(inst["z"][:, None], y, l2=1e-3)
+    probe_logit = a * inst["z"] + c
+    st = fit_logistic(np.stack([probe_logit, _lg(byte[inst["row"]])], axis=1), y, l2=1e-3)
+    stacked = 1 / (1 + np.exp(-(np.stack([probe_logit, _lg(byte[inst["row"]])], axis=1) @ st[:-1] + st[-1])))
+    threshold = weighted_threshold(stacked, y, wt, TARGET_FPR)
+    folds, probe_folds = score_folds(inst, True), score_folds(inst, False)
+    prior = InjectionProbe.load(BASE_PROBE) if s.prior else None
+    mats = {n: matrices(fs, fs.layer_slice(s.layers), prior) for n, fs in sets.items()}
+    layers, w, bias = fold_prior(fit(sets, mats, np.arange(len(wide.rows)), s), s.layers, prior)
+    meta = {"layers": list(layers), "hidden_size": 576, "window": WINDOW, "stride": WINDOW // 2, "intercept": bias,
+            "platt": [float(a), float(c)], "model_identity": model_identity(), "plan": "leave-kinds-out",
+            "setting": s.__dict__ | {"layers": list(s.layers)}, "base_probe": BASE_PROBE.name,
+            "stack": {"coef": [float(st[0]), float(st[1])], "intercept": float(st[2])},
+            "policy_threshold": {"value": round(threshold, 4), "target_fpr": TARGET_FPR,
+                                 "how": "the weighted 1%-FPR point of the pooled out-of-fold stack scores"},
+            "host_folds": [sorted(f) for f in HOST_FOLDS], "attack_folds": [sorted(f) for f in ATTACK_FOLDS],
+            "trained_on": {k: len(v.rows) for k, v in sets.items()},
+            "cross_validated_probe_alone": {k: v for k, v in probe_folds.items() if k != "p"},
+            "cross_validated": {**{k: v for k, v in folds.items() if k != "p"}, **report(wide, inst, folds, threshold),
+                                "at_shipped_threshold": _rates(stacked, y, wt, threshold - 1e-12)}}
+    np.savez_compressed(out, mean=np.zeros_like(w, dtype=np.float32), scale=np.ones_like(w, dtype=np.float32),
+                        coef=w.astype(np.float32), meta=json.dumps(meta))
+    out.with_suffix(".json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cv", action="store_true", help="cross-validate the settings (--only: a subset)")
+    ap.add_argument("--only", type=int, nargs="*", default=None, help="indices into SETTINGS")
+    ap.add_argument("--ship", type=int, default=None, help="fit SETTINGS[i] on everything and write --out")
+    ap.add_argument("--out", type=Path, default=PROBE_PATH)
+    args = ap.parse_args(argv)
+    sets = load_all(extract=False, names=("wide", "contrast"))
+    if "wide" not in sets:
+        raise SystemExit("no cached wide-set states: run `nice -n 10 python -m gate.train.probe_features` first")
+    print(f"[probe_cv] cached: { {k: len(v.rows) for k, v in sets.items()} }", file=sys.stderr, flush=True)
+    if args.cv:
+        chosen = [SETTINGS[i] for i in args.only] if args.only is not None else SETTINGS
+        json.dump(run_cv(sets, chosen), sys.stdout, indent=1)
+    if args.ship is not None:
+        json.dump(ship(sets, SETTINGS[args.ship], args.out), sys.stdout, indent=1)
+
+
+if __name__ == "__main__":
+    main()

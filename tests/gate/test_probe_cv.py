@@ -1,0 +1,85 @@
+"""Leave-kinds-out cross-validation: folds partition the wide set's kinds, no model sees the kind
+it scores, the folded probe computes what was fitted, and the contrast kinds mark their spans."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gate import InjectionProbe
+from gate.probe import window_features
+from gate.train import contrast, probe_cv
+from gate.train.probe_features import LAYERS, FeatureSet
+
+WIDE = Path(probe_cv.__file__).resolve().parents[1] / "data" / "kinds_wide.jsonl"
+
+
+@pytest.fixture(scope="module")
+def wide_rows() -> list[dict]:
+    return [json.loads(line) for line in WIDE.read_text(encoding="utf-8").splitlines()]
+
+
+def test_host_and_attack_folds_partition_the_wide_sets_kinds(wide_rows) -> None:
+    for folds, values in ((probe_cv.HOST_FOLDS, {r["kind"] for r in wide_rows}),
+                          (probe_cv.ATTACK_FOLDS, {r["attack"] for r in wide_rows if "attack" in r})):
+        assert set().union(*folds) == values
+        assert sum(len(f) for f in folds) == len(values)
+
+
+def _fake_set(rows: list[dict], seed: int = 0) -> FeatureSet:
+    rng = np.random.default_rng(seed)
+    return FeatureSet(rows, [rng.standard_normal((3, len(LAYERS) * 576)).astype(np.float16) for _ in rows])
+
+
+def test_every_out_of_fold_score_comes_from_a_model_that_never_saw_its_host_or_attack_kind(wide_rows, monkeypatch) -> None:
+    seen: list[tuple[set, set]] = []
+    real_fit = probe_cv.fit
+
+    def spy(sets, mats, wide_idx, s):
+        rows = sets["wide"].rows
+        seen.append(({rows[i]["kind"] for i in wide_idx}, {rows[i].get("attack") for i in wide_idx}))
+        return real_fit(sets, mats, wide_idx, s)
+
+    monkeypatch.setattr(probe_cv, "fit", spy)
+    rows = [r for r in wide_rows if r["kind"] in ("notes", "calendar", "todo-email", "chat-json")][::4]
+    cv = probe_cv.cross_validate({"wide": _fake_set(rows)}, probe_cv.Setting((12,), 1.0, 1, False, False))
+    assert len(seen) == 16
+    trained = iter(seen)
+    for i, hosts in enumerate(probe_cv.HOST_FOLDS):
+        for j, attacks in enumerate(probe_cv.ATTACK_FOLDS):
+            if not any(r["kind"] in hosts for r in rows):
+                continue
+            kinds, atts = next(trained)
+            assert not kinds & hosts and not atts & attacks
+    for r, scores in zip(rows, cv["oof"]):
+        assert np.isfinite(scores).sum() == (len(probe_cv.ATTACK_FOLDS) if r["label"] == "benign" else 1)
+
+
+def test_the_folded_probe_gives_the_fitted_logit_of_features_and_base_probe() -> None:
+    rng = np.random.default_rng(1)
+    base = InjectionProbe.load(probe_cv.BASE_PROBE)
+    layers = (9, 12)
+    dims = len(layers) * 576 + 1
+    fitted = (rng.standard_normal(dims), rng.random(dims) + 0.5, rng.standard_normal(dims), 0.3)
+    probe_layers, w, bias = probe_cv.fold_prior(fitted, layers, base)
+    hidden = {layer: rng.standard_normal((20, 576)).astype(np.float32) for layer in probe_layers}
+    folded = window_features(hidden, probe_layers, 16, 8) @ w + bias
+    prior_z = ((window_features(hidden, base.layers, 16, 8) - base.mean) / base.scale) @ base.coef + base.intercept
+    x = np.concatenate([window_features(hidden, layers, 16, 8), prior_z[:, None]], axis=1)
+    want = ((x - fitted[0]) / fitted[1]) @ fitted[2] + fitted[3]
+    np.testing.assert_allclose(folded, want, rtol=1e-6, atol=1e-6)
+
+
+def test_contrast_positives_mark_their_instruction_and_negatives_have_none() -> None:
+    rows = contrast.rows(10)
+    assert {r["kind"] for r in rows} == set(contrast.BENIGN) | set(contrast.INJECTED)
+    for r in rows:
+        if r["label"] == "benign":
+            assert "span" not in r
+        else:
+            a, b = r["span"]
+            assert 0 <= a < b <= len(r["text"])
+            assert any(word in r["text"][a:b].lower() for word in ("assistant", "ai", "agent", "model", "llm", "instructions", "system"))
