@@ -171,6 +171,7 @@ def test_the_kernels_forget_witness_is_accepted_exactly_when_it_shows_never_saw(
 def test_the_writer_and_the_verifier_use_one_rule_set():
     import audit.records
     import audit.rules
-    import audit.verify
+    import audit.verify_records
 
-    assert audit.verify.witness_errors is audit.rules.witness_errors is audit.records.witness_errors
+    assert audit.verify_records.witness_errors is audit.rules.witness_errors is audit.records.witness_errors
+    assert audit.verify_records.body_errors is audit.records.body_errors  # audit.accept only vouches; these judge
