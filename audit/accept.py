@@ -16,7 +16,7 @@ vouches for has no error under the rules.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from itertools import accumulate, chain, repeat
 from operator import add, contains, ge, itemgetter, le, lt, sub
 from typing import Any
@@ -38,11 +38,12 @@ _DIGITS_TO_0 = bytes.maketrans(b"0123456789", b"0" * 10)
 _HEX_TO_X = bytes.maketrans(b"0123456789abcdef", b"x" * 16)  # records._SHA256_HEX, each hex digit read as x
 
 
-def accepted(bodies: Sequence[dict[str, Any]], entries: Sequence[bytes]) -> list[bool]:
-    """For each body (a parsed JSON object; ``entries`` are their canonical bytes): True only if
-    the rules find nothing wrong with it and it holds ``time`` (see the module docstring)."""
+def accepted(bodies: Sequence[dict[str, Any]], texts: Iterable[bytes]) -> list[bool]:
+    """For each body (a parsed JSON object): True only if the rules find nothing wrong with it and
+    it holds ``time`` (see the module docstring). ``texts`` hold the bodies' canonical bytes (their
+    own, or a layout of records around them) and no other quoted word "content"."""
     ok = [False] * len(bodies)
-    if b"".join(entries).find(_CONTENT) >= 0:
+    if any(text.find(_CONTENT) >= 0 for text in texts):
         return ok  # a 'content' name, or that word in a string: the rules look closer
     for names, positions in _alike(list(map(tuple, bodies))):
         group = [bodies[i] for i in positions] if len(positions) < len(bodies) else bodies

@@ -150,7 +150,7 @@ def body_errors(body: Mapping[str, Any], entry: bytes | None = None) -> list[str
     they do not hold one. The witness is judged separately (``witness_errors``), so a verifier
     can name which check failed.
     """
-    if body.get("kind") not in KINDS:
+    if not isinstance(body.get("kind"), str) or body["kind"] not in KINDS:  # a list or an object is no kind (nor hashable)
         return [f"kind {body.get('kind')!r} is not one of {sorted(KINDS)}"]
     maybe_content = entry is None or b'"content"' in entry
     errors = ["records never hold content; put its sha256 in 'content_sha256'"] if maybe_content and _has_content(body) else []

@@ -500,7 +500,7 @@ def verify_erasure_proof(proof: dict | Path | str, *, public_key_pem: str | None
         if rec["time"] != rec["body"].get("time"):
             report.errors.append(f"record {index}: time {rec['time']!r} is not the signed body's {rec['body'].get('time')!r}")
         kind = rec["body"].get("kind")
-        if kind not in ERASURE_KINDS:
+        if not isinstance(kind, str) or kind not in ERASURE_KINDS:
             report.errors.append(f"record {index}: a {kind!r} record is not an erasure (erasures: {sorted(ERASURE_KINDS)}); it proves no erasure")
         try:  # Step 3
             cp.verify(verifier)

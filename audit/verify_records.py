@@ -164,7 +164,7 @@ def layout_findings(data: bytes, start: int, end: int, *, workers: int, meanwhil
         theirs(cancel=True)
         return None
     other = theirs()
-    if other is None or other.start != mine.count:  # the other process failed (or read a file that changed)
+    if other is None or other.start != mine.count:  # the other process failed (its start is otherwise right: see above)
         other = _read(data, other_start, end, mine.count)
         if other is None:
             return None
@@ -221,13 +221,15 @@ def _forked(work: Callable[[], Findings | None]) -> Callable[..., Findings | Non
 
 @dataclass
 class _Block:
-    """One block's parsed records, their canonical bodies and leaves, and the positions (in the
-    block) that the rules must judge one at a time: a position or leaf hash the file has wrong."""
+    """One block's parsed records, their canonical bodies and leaves, their layout (``text``), and
+    the positions (in the block) that the rules must judge one at a time: a position or leaf hash
+    the file has wrong."""
 
     records: list[Any]
     bodies: list[dict[str, Any]]
     entries: list[bytes]
     leaves: list[bytes]
+    text: bytes
     suspects: set[int]
 
 
@@ -274,7 +276,7 @@ def _block(data: bytes, pos: int, end: int, first: int) -> _Block | None:
             return None
     if (not written.isascii() or spelling_doubts(written)) and not _rfc8785(bodies, entries):
         return None
-    return _Block(records, bodies, entries, leaves, suspects)
+    return _Block(records, bodies, entries, leaves, written, suspects)
 
 
 def _laid_out(indices: Any, hashes: Any, entries: list[bytes]) -> bytes:
@@ -293,8 +295,11 @@ def _wrong_places(data: bytes, pos: int, end: int, records: list[Any], positions
                   entries: list[bytes]) -> set[int] | None:
     """The block's records whose index or leaf hash is not their position's or their body's, if
     the file is the layout of its own values; None if it is not even that."""
-    indices = list(map(itemgetter("index"), records))
-    claimed = list(map(itemgetter("leaf_hash"), records))
+    try:
+        indices = list(map(itemgetter("index"), records))
+        claimed = list(map(itemgetter("leaf_hash"), records))
+    except KeyError:  # a record without its index or leaf hash: the strict reader names it
+        return None
     if set(map(type, indices)) != {int} or set(map(type, claimed)) != {str}:
         return None
     try:
@@ -318,8 +323,7 @@ def _rfc8785(bodies: list[Any], entries: list[bytes]) -> bool:
 def _judge(found: Findings, pending: list[tuple[int, _Block]]) -> None:
     """Step 5 for a batch of blocks: the rules for every record ``accept.accepted`` does not vouch for."""
     bodies = [body for _, block in pending for body in block.bodies]
-    entries = [entry for _, block in pending for entry in block.entries]
-    vouched = iter(accepted(bodies, entries))
+    vouched = iter(accepted(bodies, [block.text for _, block in pending]))
     for first, block in pending:
         for i, (rec, entry, ok) in enumerate(zip(block.records, block.entries, vouched)):
             if not ok or i in block.suspects:

@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from audit import layout, verify_records
+from audit import AuditError, layout, verify_records
 from audit.merkle import hash_leaf
 from audit.records import canonical, canonical_parsed, compact_sorted, spelling_doubts
 from audit.strict import Malformed, load_json
@@ -260,3 +260,50 @@ def test_a_process_running_threads_is_not_forked(tampered, signer):
         stop.set()
         thread.join()
     assert two.processes == 1
+
+
+NASTY = st.sampled_from([None, True, 0, -1, 2**53, 1.5, 1.0, "", "x", "é", [], {}, [1, 2], {"content": "x"}])
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_any_tampering_in_the_layout_gets_one_report_from_either_reader_in_one_process_or_two(honest, forge, signer, tmp_path, data):
+    """The strict reader (a dict), the fast one (the same export in the log's layout) and the fast
+    one in two processes: the same verdict, the same errors in the same order, never a traceback."""
+    doc = copy.deepcopy(honest[1])
+    records = doc["records"]
+    for _ in range(data.draw(st.integers(1, 3), label="tamperings")):
+        r = data.draw(st.integers(0, len(records) - 1), label="record")
+        how = data.draw(st.sampled_from(["field", "field", "drop", "swap", "index", "leaf", "rehash", "record"]), label="how")
+        if how in ("field", "index", "leaf", "rehash") and not (isinstance(records[r], dict) and isinstance(records[r].get("body"), dict)):
+            continue  # replaced by a non-record earlier
+        if how == "field":
+            body = records[r]["body"]
+            target = body["witness"] if "witness" in body and data.draw(st.booleans(), label="in witness") else body
+            target[data.draw(st.sampled_from(sorted(target) + ["extra"]), label="name")] = data.draw(NASTY, label="value")
+        elif how == "drop" and len(records) > 1:
+            del records[r]
+        elif how == "swap":
+            s = data.draw(st.integers(0, len(records) - 1), label="with")
+            records[r], records[s] = records[s], records[r]
+        elif how == "index":
+            records[r]["index"] = data.draw(st.integers(-1, len(records) + 1), label="index")
+        elif how == "leaf":
+            records[r]["leaf_hash"] = data.draw(st.sampled_from(["", "00" * 32, "AB" * 32]), label="leaf")
+        elif how == "rehash":
+            try:
+                forge.rehash(records[r])
+            except AuditError:  # RFC 8785 refuses the body: its leaf hash stays as it was
+                pass
+        elif how == "record":
+            records[r] = data.draw(st.sampled_from([{}, [], "x", {"index": r, "leaf_hash": "", "body": []}]), label="record")
+    try:
+        laid_out = forge.lay_out(doc)
+    except Exception:  # noqa: BLE001 - RFC 8785 refuses a body (an integer past 2**53, say): no layout to write
+        return
+    path = tmp_path / "t.json"
+    path.write_bytes(laid_out)
+    strict, one, two = (verify_export(source, public_key_pem=signer.public_key_pem, workers=w)
+                        for source, w in ((json.loads(laid_out), 1), (path, 1), (path, 2)))
+    for report in (one, two):
+        assert (report.errors, report.checked, report.anchor, report.exit_code) == (strict.errors, strict.checked, strict.anchor, strict.exit_code)
