@@ -70,17 +70,18 @@ def canonical(body: Mapping[str, Any]) -> bytes:
 # ASCII (RFC 8785 orders names by UTF-16 code units), an integral float (always ".0" then ",", "]"
 # or "}": "1.0" vs "1"), an exponent (always "e-" or "e+": "1e-6" vs "0.000001", "1e+16" vs
 # "10000000000000000"). Integers need no look: orjson refuses to spell one that RFC 8785 refuses
-# (2**53 and up: OPT_STRICT_INTEGER) and spells the others alike. Each pattern starts with a byte that
-# is rare in a record ('.', '-', '+'), which the regex engine looks for as fast as memchr: three
-# scans of a text cost less than one translation of it. A hit inside a string costs only the RFC 8785 encoder.
-_MAY_DIFFER = (re.compile(rb"\.0[,\]}]"), re.compile(rb"-(?<=e-)"), re.compile(rb"\+(?<=e\+)"))
+# (2**53 and up: OPT_STRICT_INTEGER) and spells the others alike. Each pattern starts with a byte
+# ('.', '-', '+') that the regex engine scans for at a few GB/s, several times faster than a
+# substring search or a translation; a '+' is rarer still, and memchr looks for it first. A hit
+# inside a string costs only the RFC 8785 encoder.
+_MAY_DIFFER = ((b".", re.compile(rb"\.0[,\]}]")), (b"-", re.compile(rb"-(?<=e-)")), (b"+", re.compile(rb"\+(?<=e\+)")))
 _SPELLING = orjson.OPT_SORT_KEYS | orjson.OPT_STRICT_INTEGER
 
 
 def spelling_doubts(spelt: bytes) -> bool:
     """Whether ``spelt`` (``compact_sorted`` output, or a text made of such pieces and ASCII outside
     them) may differ from RFC 8785; where it may not, it is RFC 8785."""
-    return not spelt.isascii() or any(p.search(spelt) for p in _MAY_DIFFER)
+    return not spelt.isascii() or any(first in spelt and p.search(spelt) for first, p in _MAY_DIFFER)
 
 
 def canonical_parsed(body: Mapping[str, Any]) -> bytes:

@@ -323,7 +323,10 @@ def _rfc8785(bodies: list[Any], entries: list[bytes]) -> bool:
 def _judge(found: Findings, pending: list[tuple[int, _Block]]) -> None:
     """Step 5 for a batch of blocks: the rules for every record ``accept.accepted`` does not vouch for."""
     bodies = [body for _, block in pending for body in block.bodies]
-    vouched = iter(accepted(bodies, [block.text for _, block in pending]))
+    ok = accepted(bodies, [block.text for _, block in pending])
+    if all(ok) and not any(block.suspects for _, block in pending):
+        return
+    vouched = iter(ok)
     for first, block in pending:
         for i, (rec, entry, ok) in enumerate(zip(block.records, block.entries, vouched)):
             if not ok or i in block.suspects:
