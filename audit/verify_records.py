@@ -7,9 +7,9 @@ parsed. Parsed whole, each object is created and freed far from the caches, and 
 checks, took most of the time; parsed :data:`BLOCK` bytes at a time, every step finds its data in
 the cache. A block is proven as written, then checked:
 
-1. orjson parses it (no hook per object, and so no duplicate-name check of its own);
-2. each body is spelt again, compact and sorted (``records.compact_sorted``), and hashed (its leaf);
-3. the records are laid out again from that (``layout.record``: the record's position, its
+a. orjson parses it (no hook per object, and so no duplicate-name check of its own);
+b. each body is spelt again, compact and sorted (``records.compact_sorted``), and hashed (its leaf);
+c. the records are laid out again from that (``layout.record``: the record's position, its
    computed leaf hash, its spelt body) and compared with the file's bytes. Equal bytes prove
    what the strict reader checks object by object: no duplicate name anywhere (the layout of a
    parse spells each name once), every field of its type, every body in the spelling hashed, and
@@ -17,16 +17,17 @@ the cache. A block is proven as written, then checked:
    (a tampered export), the layout of the file's own values is compared instead and those records
    go to the rules, which name the fault; any other difference sends the whole file to the strict
    reader;
-4. where that spelling may differ from RFC 8785 (``records.spelling_doubts``) the body is encoded
+d. where that spelling may differ from RFC 8785 (``records.spelling_doubts``) the body is encoded
    by RFC 8785, and a difference, too, sends the file to the strict reader;
-5. the rules: ``accept.accepted`` vouches for most bodies a column at a time, and
+e. the rules: ``accept.accepted`` vouches for most bodies a column at a time, and
    :func:`record_findings` (``records.body_errors``, ``rules.witness_errors``) judges the rest.
 
 Why two processes. With two cores, a forked process reads the second part of the records while
-this one verifies the checkpoint signatures and reads the first part; it sends back only leaf
-hashes and the findings of the few records with any. Where there is no fork (or no second
-process to be had, or the other process fails), this process reads that part itself: the report
-is the same either way, word for word.
+this one checks the checkpoint signatures and reads the first part (:data:`SHARE` of the bytes);
+it sends back only leaf hashes and the findings of the few records with any, and its first
+position is the count of newlines before its part (one per record). Where there is no fork, or
+this process runs threads, or no second process can be had, or it dies, this process reads that
+part itself: the report is the same either way, word for word.
 """
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ BATCH = 1024  # records per call of ``accept.accepted``: enough to pay for its p
 PARALLEL_FROM = 4 << 20  # bytes of records; below this a second process costs more than it saves
 SHARE = 0.42  # of the records' bytes read here while the other process reads the rest: this one also checks signatures
 NO_LEAF = b"\xff" * 32  # stands in for a leaf that could not be hashed; equals no real leaf
-_RECORD, _LEAF, _BODY = b'{"index": ', b', "leaf_hash": "', b'", "body": '  # layout.record's pieces (a test holds them equal)
+_OPEN, _BODY = b'{"index": %d, "leaf_hash": "', b'", "body": '  # layout.record's pieces (a test holds them equal)
 _CLOSE = b"}" + layout.RECORD_SEPARATOR  # closes a record that has another after it
 _NEXT = _CLOSE + b"{"  # found only between two records of a file in the layout: no raw newline is in a body
 _HEAD_END = b'"records": [\n'
@@ -256,7 +257,7 @@ def _read(data: bytes, start: int, stop: int, first: int) -> Findings | None:
 
 
 def _block(data: bytes, pos: int, end: int, first: int) -> _Block | None:
-    """Parse the records in ``data[pos:end]`` and prove them as written (steps 1 to 4 of the module docstring)."""
+    """Parse the records in ``data[pos:end]`` and prove them as written (a to d in the module docstring)."""
     try:
         records = orjson.loads(b"".join((b"[", memoryview(data)[pos:end], b"]")))
         bodies = list(map(itemgetter("body"), records))
@@ -283,7 +284,7 @@ def _laid_out(indices: Any, hashes: Any, entries: list[bytes]) -> bytes:
     """``layout.record`` of each record, separated as in the file, built in one join."""
     n = len(entries)
     parts: list[bytes] = [_BODY] * (5 * n)
-    parts[0::5] = [b"%s%d%s" % (_RECORD, i, _LEAF) for i in indices]
+    parts[0::5] = map(_OPEN.__mod__, indices)
     parts[1::5] = hashes
     parts[3::5] = entries
     parts[4::5] = repeat(_CLOSE, n)
@@ -321,7 +322,7 @@ def _rfc8785(bodies: list[Any], entries: list[bytes]) -> bool:
 
 
 def _judge(found: Findings, pending: list[tuple[int, _Block]]) -> None:
-    """Step 5 for a batch of blocks: the rules for every record ``accept.accepted`` does not vouch for."""
+    """e in the module docstring, for a batch of blocks: the rules for every record ``accept.accepted`` does not vouch for."""
     bodies = [body for _, block in pending for body in block.bodies]
     ok = accepted(bodies, [block.text for _, block in pending])
     if all(ok) and not any(block.suspects for _, block in pending):
