@@ -275,7 +275,7 @@ def _block(data: bytes, pos: int, end: int, first: int) -> _Block | None:
         suspects = _wrong_places(data, pos, end, records, positions, hashes, entries)
         if suspects is None:
             return None
-    if (not written.isascii() or spelling_doubts(written)) and not _rfc8785(bodies, entries):
+    if spelling_doubts(written) and not _rfc8785(bodies, entries):
         return None
     return _Block(records, bodies, entries, leaves, written, suspects)
 
@@ -316,7 +316,7 @@ def _wrong_places(data: bytes, pos: int, end: int, records: list[Any], positions
 def _rfc8785(bodies: list[Any], entries: list[bytes]) -> bool:
     """Whether each body whose spelling may differ from RFC 8785 is spelt as RFC 8785 spells it."""
     try:
-        return all(canonical(body) == entry for body, entry in zip(bodies, entries) if not entry.isascii() or spelling_doubts(entry))
+        return all(canonical(body) == entry for body, entry in zip(bodies, entries) if spelling_doubts(entry))
     except AuditError:
         return False
 
