@@ -3,8 +3,10 @@
 The log writes every export this way, and the offline verifier recognises it: a file that is byte
 for byte this layout of its own parsed document holds no duplicate name anywhere (the layout of a
 parsed document spells each name once) and carries every record body in its RFC 8785 bytes, which
-lets the verifier skip the slower strict reader. Any other spelling of an export (indented,
-re-serialised, hand-edited) is still valid and goes through the strict reader.
+lets the verifier skip the slower strict reader. Each record is one line (RFC 8785 bytes hold no
+raw newline), so the verifier can cut the records into blocks, and between two processes, at any
+``},\n{``. Any other spelling of an export (indented, re-serialised, hand-edited) is still valid
+and goes through the strict reader.
 
     {"format": ..., "origin": ..., "size": ..., "keys": [...],
     "checkpoints": [<note>,

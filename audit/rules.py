@@ -119,7 +119,7 @@ def _amortize_errors(w: Mapping[str, Any], body: Mapping[str, Any]) -> list[str]
 def witness_errors(body: Mapping[str, Any]) -> list[str]:
     """Why a record's witness does not support its kind; empty when it does (see the module docstring)."""
     kind, w = body.get("kind"), body.get("witness")
-    if kind in ERASURE_KINDS or kind == "amortize":
+    if isinstance(kind, str) and (kind in ERASURE_KINDS or kind == "amortize"):
         if not _is_object(w):
             return [f"a {kind} record needs the kernel's witness object"]
         return _erasure_errors(kind, w, body) if kind in ERASURE_KINDS else _amortize_errors(w, body)

@@ -9,12 +9,13 @@ An export is verified in these steps (the numbers are the ``# Step N`` comments 
 1. Read strictly: UTF-8 (a byte-order mark is accepted), JSON with no duplicate name in any
    object and no NaN, and the export's shape: every field present and of its type. Malformed
    input stops here, with one line naming the place (exit code 2). A file laid out exactly as the
-   log writes it (``audit.layout``) is read faster, by orjson, and proven free of duplicate
-   names and canonical by comparison with the layout of its own parse (``_as_written``).
+   log writes it (``audit.layout``) is read faster, a block at a time, by orjson, and proven free
+   of duplicate names and canonical by comparison with the layout of its own parse
+   (``audit.verify_records``), on two cores in two processes.
 2. Replay the records, rebuilding the RFC 9162 tree: each record's position, its leaf hash
    (SHA-256 of 0x00 and its RFC 8785 bytes), its schema, its witness (``audit.rules``, the rules
-   the log applied when it wrote it), and each key rotation: signed by the key it replaces, for
-   this log's origin.
+   the log applied when it wrote it; ``audit.accept`` vouches for most records a column at a
+   time), and each key rotation: signed by the key it replaces, for this log's origin.
 3. Each checkpoint, when the tree reaches its size: signed by the key active at that size, with
    the root of the rebuilt tree (a rebuilt root equal to a signed one proves the inclusion of
    every record under it). Checkpoints come in increasing size.
@@ -46,23 +47,19 @@ import base64
 import gc
 import os
 import sys
-from bisect import bisect_right
 from collections.abc import Mapping
-from itertools import accumulate
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-import orjson
-
-from . import layout
 from .errors import AuditError
 from .layout import EXPORT_FORMAT
-from .merkle import CompactRange, InclusionProof, ProofError, hash_leaf
+from .merkle import CompactRange, InclusionProof, ProofError
 from .note import Checkpoint, NoteError, NoteVerifier
-from .records import body_errors, canonical, canonical_parsed, compact_sorted, rotation_message, spelling_doubts
-from .rules import ERASURE_KINDS, witness_errors
+from .records import rotation_message
+from .rules import ERASURE_KINDS
 from .strict import Malformed, expect, fields, load_json, read_bytes, read_text
+from .verify_records import PARALLEL_FROM, Findings, findings, layout_findings, layout_head, record_findings
 
 __all__ = ["VerifyReport", "run", "verify_erasure_proof", "verify_export", "verify_url"]
 
@@ -75,7 +72,6 @@ _PROOF = {"format": str, "record": dict, "checkpoint": str, "inclusion_proof": d
 _PROOF_RECORD = {**_RECORD, "time": str}
 _INCLUSION = {"leaf_index": int, "tree_size": int, "hashes": list}
 _PROOF_KEY = {"name": str, "key_id": str, "public_key_pem": str}
-_NO_LEAF = b"\xff" * 32  # stands in for a leaf that could not be hashed; equals no real leaf
 
 NO_ANCHOR = (
     "no root of trust given: the export is internally consistent, but anyone can sign a consistent "
@@ -89,7 +85,8 @@ class VerifyReport:
     """``errors`` each name the place and the check; ``checked`` counts what passed.
 
     ``malformed`` is set when an input could not be read as what it must be (exit code 2);
-    ``anchor`` says what the verdict is anchored to (the root of trust).
+    ``anchor`` says what the verdict is anchored to (the root of trust); ``processes``, how many
+    read the records (the verdict does not depend on it).
     """
 
     errors: list[str] = field(default_factory=list)
@@ -97,6 +94,7 @@ class VerifyReport:
     checked: dict[str, int] = field(default_factory=dict)
     malformed: bool = False
     anchor: str = ""
+    processes: int = 1
 
     @property
     def ok(self) -> bool:
@@ -133,58 +131,8 @@ def _document(source: dict | str | Path, where: str) -> Any:
     return source if isinstance(source, dict) else load_json(read_bytes(source, where), where)
 
 
-def _as_written(data: bytes) -> tuple[dict[str, Any], list[bytes]] | None:
-    """The export and its bodies' RFC 8785 bytes, if ``data`` is exactly how the log lays out its
-    own parse (``audit.layout``); else None, and the strict reader decides.
-
-    Parsed by orjson without a per-object hook: a duplicate name cannot survive the comparison,
-    since the layout of a parsed document spells each name once; nor can a number orjson reads
-    inexactly (an integer past 64 bits becomes a float, spelt with "." or "e"; an index is checked to
-    be an int, since "%d" of a float could spell the same digits). orjson refuses a byte-order mark,
-    a lone surrogate, NaN and nesting past 255 levels: those go to the strict reader. Each body is
-    spelt by ``compact_sorted``, and the few places where that spelling may differ from RFC 8785 are looked for
-    in the whole text at once (``spelling_doubts``), their records re-encoded by RFC 8785: no Python
-    call per object or per body, as the strict reader needs.
-    """
-    try:
-        doc = orjson.loads(data)
-        if type(doc) is not dict or list(doc) != layout.NAMES:
-            return None
-        records = doc["records"]
-        if not all(type(rec["index"]) is int for rec in records):
-            return None
-        entries = [compact_sorted(_object(rec["body"])) for rec in records]
-        head = layout.head({name: doc[name] for name in layout.HEAD_NAMES}, doc["checkpoints"]).encode()
-        pieces = [layout.record(r["index"], r["leaf_hash"], e) for r, e in zip(records, entries)]
-        if data != head + layout.RECORD_SEPARATOR.join(pieces) + layout.TAIL:
-            return None
-        starts = None
-        for at in spelling_doubts(data):
-            if at < len(head):
-                continue
-            starts = starts or list(accumulate((len(p) + len(layout.RECORD_SEPARATOR) for p in pieces), initial=len(head)))
-            i = bisect_right(starts, at) - 1
-            if i < len(records) and canonical(records[i]["body"]) != entries[i]:
-                return None  # not RFC 8785: the strict reader names the record
-    except (AuditError, ValueError, TypeError, AttributeError, KeyError, RecursionError):
-        return None  # not the log's layout, or not even JSON: the strict reader names what is wrong
-    return doc, entries
-
-
-def _object(value: Any) -> dict[str, Any]:
-    if type(value) is not dict:
-        raise TypeError("not an object")
-    return value
-
-
-def _read_export(source: dict | str | Path) -> tuple[dict[str, Any], list[bytes] | None]:
-    """The export, shape-checked, and its bodies' canonical bytes when the layout proved them."""
-    data = None if isinstance(source, dict) else read_bytes(source, "export")
-    written = None if data is None else _as_written(data)
-    if written:
-        parsed: Any = written[0]
-    else:
-        parsed = source if data is None else load_json(data, "export")
+def _shape(parsed: Any) -> dict[str, Any]:
+    """The export's header and checkpoints, checked for their fields and types."""
     doc = fields(parsed, "export", _EXPORT)
     if doc["format"] != EXPORT_FORMAT:
         raise Malformed("export.format", f"{doc['format']!r} is not {EXPORT_FORMAT!r}")
@@ -196,10 +144,33 @@ def _read_export(source: dict | str | Path) -> tuple[dict[str, Any], list[bytes]
         fields(key, f"export.keys[{i}]", _KEY)
     for i, note in enumerate(doc["checkpoints"]):
         expect(note, str, f"export.checkpoints[{i}]")
-    if written is None:  # as written, each record is {"index": <integer>, "leaf_hash": <string>, "body": <object>}
-        for i, rec in enumerate(doc["records"]):
-            fields(rec, f"export.records[{i}]", _RECORD)
-    return doc, written[1] if written else None
+    return doc
+
+
+def _read_export(source: dict | str | Path, workers: int | None, signed: _Signed) -> tuple[dict[str, Any], Findings]:
+    """Step 1, and step 2 for each record on its own: the export, shape-checked, and its records' findings.
+
+    A file in the log's layout is read a block at a time, maybe in two processes (``verify_records``;
+    ``signed`` gets the signature checks done meanwhile); anything else, or a layout whose header
+    is malformed, is read strictly and whole, and its records checked one at a time.
+    """
+    data = None if isinstance(source, dict) else read_bytes(source, "export")
+    head = None if data is None else layout_head(data)
+    if data is not None and head is not None:
+        doc, start, end = head
+        try:
+            _shape(doc)
+        except Malformed:
+            pass  # the strict reader names the first fault in the file
+        else:
+            found = layout_findings(data, start, end, workers=_workers(workers, end - start),
+                                    meanwhile=lambda: signed.update(_presigned(doc)))
+            if found is not None:
+                return doc, found
+    doc = _shape(source if data is None else load_json(data, "export"))
+    for i, rec in enumerate(doc["records"]):
+        fields(rec, f"export.records[{i}]", _RECORD)
+    return doc, findings(doc["records"])
 
 
 def _checkpoint(note: str, where: str) -> Checkpoint:
@@ -283,36 +254,6 @@ class _KeyChain:
 
 # --- one record (step 2 of both) ---------------------------------------------------------------
 
-def _record_findings(position: int, rec: Mapping[str, Any], entry: bytes | None = None) -> tuple[bytes, list[str], bool]:
-    """Step 2 for one record, on its own (``entry``: its body's canonical bytes, if known): its leaf
-    hash (for the tree), what is wrong with it (each message naming it), and whether it is a
-    well-formed key rotation, which the key chain then applies in order.
-
-    Runs once per record, so the honest path builds no message and no list it does not need.
-    """
-    body, errors = rec["body"], []
-    if rec["index"] != position:
-        errors.append(f"index {rec['index']} found at position {position} (records deleted, inserted or reordered)")
-    try:
-        entry = canonical_parsed(body) if entry is None else entry
-        leaf = hash_leaf(entry)
-    except (AuditError, ValueError, TypeError, RecursionError) as e:
-        errors.append(f"body is not canonical JSON ({e})")
-        entry, leaf = None, _NO_LEAF
-    if rec["leaf_hash"] != leaf.hex():
-        errors.append(f"leaf hash {rec['leaf_hash']} does not match the body's {leaf.hex()}")
-    schema = body_errors(body, entry)
-    if "time" not in body:
-        schema.append("'time' missing: the log stamps every record")
-    witness = witness_errors(body)
-    messages = []
-    if errors or schema or witness:
-        messages += [f"record {position}: {e}" for e in errors]
-        messages += [f"record {position}: schema: {e}" for e in schema]
-        messages += [f"record {position}: witness: {e}" for e in witness]
-    return leaf, messages, body.get("kind") == "key-rotation" and not schema
-
-
 def _rotate(report: VerifyReport, chain: _KeyChain, position: int, key: Mapping[str, str]) -> None:
     error = chain.rotate(position, key)
     if error:
@@ -321,60 +262,51 @@ def _rotate(report: VerifyReport, chain: _KeyChain, position: int, key: Mapping[
         report.count("key_rotations")
 
 
-# Records (and their proven canonical bodies) for ``_findings`` in a forked worker, which inherits
-# them: nothing is pickled on the way in, only leaf hashes and the rare findings on the way back.
-_SHARED: tuple[list[Any], list[bytes] | None] = ([], None)
-PARALLEL_FROM = 20_000  # records; below this a second process costs more than it saves
-
-
-def _findings(start: int, stop: int) -> tuple[bytes, dict[int, tuple[list[str], bool]]]:
-    """``_record_findings`` for records ``start..stop-1`` of ``_SHARED``: their leaf hashes joined
-    (32 bytes each), and the findings of the records with a message or a key rotation."""
-    records, entries = _SHARED
-    leaves, notes = [], {}
-    for position in range(start, stop):
-        leaf, messages, rotation = _record_findings(position, records[position], None if entries is None else entries[position])
-        leaves.append(leaf)
-        if messages or rotation:
-            notes[position] = (messages, rotation)
-    return b"".join(leaves), notes
-
-
-def _all_findings(records: list[Any], entries: list[bytes] | None, workers: int) -> tuple[bytes, dict[int, tuple[list[str], bool]]]:
-    """``_findings`` for every record: with ``workers`` 2, the second half in a forked process
-    while this one does the first; merged by position, so the report is the same either way."""
-    global _SHARED
-    _SHARED = (records, entries)
-    try:
-        if workers < 2 or len(records) < 2:
-            return _findings(0, len(records))
-        from concurrent.futures import ProcessPoolExecutor  # imported here: most runs never fork
-        from multiprocessing import get_context
-
-        half = len(records) // 2
-        with ProcessPoolExecutor(1, mp_context=get_context("fork")) as pool:
-            second = pool.submit(_findings, half, len(records))
-            leaves, notes = _findings(0, half)
-            more_leaves, more_notes = second.result()
-        return leaves + more_leaves, {**notes, **more_notes}
-    finally:
-        _SHARED = ([], None)
-
-
 def _check_record(report: VerifyReport, position: int, rec: Mapping[str, Any]) -> bytes:
     """Step 2 for one record with no key chain (an erasure proof); return its leaf hash."""
-    leaf, messages, _ = _record_findings(position, rec)
+    leaf, messages, _ = record_findings(position, rec)
     report.errors += messages
     return leaf
 
 
 # --- an export ---------------------------------------------------------------------------------
 
+_Signed = dict[tuple[str, bytes], "str | None"]  # (note, public key) -> why its signature fails, or None
+_UNCHECKED = "unchecked"
+
+
+def _signature_error(cp: Checkpoint, verifier: NoteVerifier) -> str | None:
+    try:
+        cp.verify(verifier)
+    except NoteError as e:
+        return str(e)
+    return None
+
+
+def _presigned(doc: Mapping[str, Any]) -> _Signed:
+    """Each checkpoint's signature checked against the genesis key, ahead of the pass over the
+    records (while another process reads some of them): the key chain decides in that pass which
+    key had to sign each one, and uses these where it is the genesis key. Malformed keys and
+    notes are left for that pass to name."""
+    genesis = doc["keys"][0]
+    try:
+        verifier = NoteVerifier.from_pem(genesis["name"], genesis["public_key_pem"])
+    except NoteError:
+        return {}
+    signed: _Signed = {}
+    for note in doc["checkpoints"]:
+        try:
+            signed[(note, verifier.raw)] = _signature_error(Checkpoint.from_note(note), verifier)
+        except ValueError:  # not a checkpoint note
+            continue
+    return signed
+
+
 class _ExportCheck:
     """One pass over an export's records, checking each signed tree head as the tree reaches its size."""
 
-    def __init__(self, report: VerifyReport, doc: Mapping[str, Any], trusted: Checkpoint | None) -> None:
-        self.report, self.doc, self.origin = report, doc, doc["origin"]
+    def __init__(self, report: VerifyReport, doc: Mapping[str, Any], trusted: Checkpoint | None, signed: _Signed) -> None:
+        self.report, self.doc, self.origin, self.signed = report, doc, doc["origin"], signed
         genesis = doc["keys"][0]
         self.chain = _KeyChain(_verifier(genesis["name"], genesis["public_key_pem"], "export.keys[0]"), self.origin)
         self.tree, self.last_signed = CompactRange(), 0
@@ -389,32 +321,32 @@ class _ExportCheck:
         if trusted is not None:
             self.pending.setdefault(trusted.size, []).append((trusted, "trusted checkpoint"))
 
-    def run(self, entries: list[bytes] | None, workers: int) -> None:
-        """``entries``: the records' canonical bodies, when the reader already proved them;
-        ``workers``: processes for the per-record checks (``_all_findings``)."""
-        records = self.doc["records"]
+    def run(self, found: Findings) -> None:
+        """Steps 2 (in order: each record's messages and key rotation in its place) to 6, given
+        step 2 for each record on its own (``found``)."""
+        n, notes, tree = found.count, found.notes, self.tree
         self._reached()
-        leaves, notes = _all_findings(records, entries, workers)  # Step 2
-        tree, pending, report = self.tree, self.pending, self.report
-        for position in range(len(records)):  # in order: each message, rotation and checkpoint in its place
-            tree.append(leaves[32 * position : 32 * position + 32])
+        done = 0
+        for position in sorted({*notes, *(size - 1 for size in self.pending if 0 < size <= n)}):
+            tree.extend(found.leaves[32 * done : 32 * (position + 1)])
+            done = position + 1
             if position in notes:
-                messages, rotation = notes[position]
-                report.errors += messages
-                if rotation:
-                    _rotate(report, self.chain, position, records[position]["body"]["key"])
-            if tree.size in pending:
-                self._reached()
-        if records:
-            self.report.count("records", len(records))
+                messages, key = notes[position]
+                self.report.errors += messages
+                if key is not None:
+                    _rotate(self.report, self.chain, position, key)
+            self._reached()
+        tree.extend(found.leaves[32 * done : 32 * n])
+        if n:
+            self.report.count("records", n)
         for size, cps in sorted(self.pending.items()):  # Step 5
             for _, label in cps:
-                self.report.errors.append(f"{label} {size}: covers {size} records but the export holds {len(records)}: the log was truncated")
-        if self.last_signed < len(records):
-            self.report.errors.append(f"records {self.last_signed}..{len(records) - 1}: not covered by any signed checkpoint")
+                self.report.errors.append(f"{label} {size}: covers {size} records but the export holds {n}: the log was truncated")
+        if self.last_signed < n:
+            self.report.errors.append(f"records {self.last_signed}..{n - 1}: not covered by any signed checkpoint")
         else:
-            self.report.count("records_included", len(records))
-        self._header(len(records))  # Step 6
+            self.report.count("records_included", n)
+        self._header(n)  # Step 6
 
     def _reached(self) -> None:
         """Steps 3 and 4: the checkpoints (and the trusted one) at the tree's current size."""
@@ -443,10 +375,11 @@ class _ExportCheck:
         if cp.origin != self.origin:
             self.report.errors.append(f"{label} {cp.size}: origin {cp.origin!r} is not the log's {self.origin!r}")
             return False
-        try:
-            cp.verify(verifier)
-        except NoteError as e:
-            self.report.errors.append(f"{label} {cp.size}: signature: {e}")
+        error = self.signed.get((cp.note, verifier.raw), _UNCHECKED)
+        if error == _UNCHECKED:
+            error = _signature_error(cp, verifier)
+        if error is not None:
+            self.report.errors.append(f"{label} {cp.size}: signature: {error}")
             return False
         self.report.count("checkpoint_signatures")
         return True
@@ -469,10 +402,12 @@ class _ExportCheck:
                 )
 
 
-def _workers(asked: int | None, records: int) -> int:
+def _workers(asked: int | None, size: int) -> int:
+    """Processes to read ``size`` bytes of records in: as asked, else 2 from ``PARALLEL_FROM`` bytes where this process may use two cores."""
     if asked is not None:
         return asked
-    return 2 if hasattr(os, "fork") and records >= PARALLEL_FROM and (os.cpu_count() or 1) >= 2 else 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return 2 if size >= PARALLEL_FROM and cores >= 2 else 1
 
 
 def _anchor(report: VerifyReport, check: _ExportCheck, pinned: NoteVerifier | None, no_anchor: bool) -> None:
@@ -510,16 +445,19 @@ def verify_export(
     """Verify an export (a file, or a dict as ``json.load`` returns it); see the module docstring.
 
     ``trusted_checkpoint`` is a note (text, or a path to a file); ``public_key_pem`` the pinned key.
-    ``workers``: 1 checks every record in this process; 2 checks the second half in a forked one
-    (same report); by default 2 from ``PARALLEL_FROM`` records where there are two cores and fork.
+    ``workers`` (for a file in the log's layout): 1 reads every record in this process; 2 reads
+    a part of them in a forked one (the same report, word for word; one process where there is no
+    fork); by default 2 from ``PARALLEL_FROM`` bytes of records where there are two cores.
     """
 
     def check(report: VerifyReport) -> None:
-        doc, entries = _read_export(export)  # Step 1
+        signed: _Signed = {}
+        doc, found = _read_export(export, workers, signed)  # Step 1, and step 2 for each record on its own
+        report.processes = found.processes
         pinned = _verifier("pinned", public_key_pem, "public key") if public_key_pem is not None else None
         trusted = _checkpoint(_trusted_note(trusted_checkpoint), "trusted checkpoint") if trusted_checkpoint is not None else None
-        run = _ExportCheck(report, doc, trusted)
-        run.run(entries, _workers(workers, len(doc["records"])))  # Steps 2 to 6
+        run = _ExportCheck(report, doc, trusted, signed)
+        run.run(found)  # Steps 2 to 6
         _anchor(report, run, pinned, no_anchor)  # Step 7
 
     return _guarded(check)
@@ -562,7 +500,7 @@ def verify_erasure_proof(proof: dict | Path | str, *, public_key_pem: str | None
         if rec["time"] != rec["body"].get("time"):
             report.errors.append(f"record {index}: time {rec['time']!r} is not the signed body's {rec['body'].get('time')!r}")
         kind = rec["body"].get("kind")
-        if kind not in ERASURE_KINDS:
+        if not isinstance(kind, str) or kind not in ERASURE_KINDS:
             report.errors.append(f"record {index}: a {kind!r} record is not an erasure (erasures: {sorted(ERASURE_KINDS)}); it proves no erasure")
         try:  # Step 3
             cp.verify(verifier)

@@ -1,28 +1,34 @@
 """The verifier's fast reader of the log's own export layout proves what the strict reader proves.
 
-``verify._as_written`` parses with the C scanner (no duplicate-name hook) and spells bodies with
-the C encoder; it may answer only when the file is the log's layout of its own parse, with every
+``verify_records`` parses a block at a time with orjson (no duplicate-name hook) and spells bodies
+with orjson; it may answer only when the file is the log's layout of its own parse, with every
 body in RFC 8785 bytes. These properties pin that down: whatever it accepts, the strict reader
-parses to the same document and RFC 8785 spells the same bodies; a duplicated name anywhere sends
-the file to the strict reader, which refuses it; and the fast canonical encoder equals RFC 8785 on
-nasty JSON (control characters, U+2028, DEL, astral characters, lone surrogates, every float,
-integers past 64 bits, which orjson reads as floats and refuses to write).
+parses to the same header and finds the same leaves and the same faults in the records; a
+duplicated name anywhere sends the file to the strict reader, which refuses it; the fast
+canonical encoder equals RFC 8785 on nasty JSON (control characters, U+2028, DEL, astral
+characters, lone surrogates, every float, integers past 64 bits, which orjson reads as floats and
+refuses to write); and two processes give the report one gives, word for word, also when the
+second process cannot be had.
 """
 from __future__ import annotations
 
+import copy
 import json
+import os
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from audit import layout
+from audit import AuditError, layout, verify_records
 from audit.merkle import hash_leaf
 from audit.records import canonical, canonical_parsed, compact_sorted, spelling_doubts
 from audit.strict import Malformed, load_json
-from audit.verify import _as_written, verify_export
+from audit.verify import verify_export
+from audit.verify_records import Findings, findings, layout_findings, layout_head
 
 NASTY = st.sampled_from(["\x00", "\x1f", "\x7f", "\u2028", "\u2029", "\ud800", "\udfff", "\ue000", "\uffff",
                          "\U0001f600", "\U00010000", "é", '"', "\\", "/", "e-", "e+", ".0,", "1234567890123456"])
@@ -63,40 +69,68 @@ def test_the_fast_canonical_form_is_rfc8785_on_nasty_json(body):
 @given(body=BODY)
 def test_a_body_without_spelling_doubts_is_rfc8785(body):
     parsed = _parsed(body)
-    fast = compact_sorted(parsed)
-    if next(spelling_doubts(fast), None) is None:
+    try:
+        fast = compact_sorted(parsed)
+    except TypeError:  # orjson refuses it: so does the fast reader, which sends it to the strict one
+        return
+    if not spelling_doubts(fast):
         assert canonical(parsed) == fast
 
 
-def _laid_out(bodies: list[Any], spelling: list[bool]) -> bytes:
-    """An export in the log's layout; each body in RFC 8785 bytes, or (where ``spelling`` says, or
-    RFC 8785 refuses it) in Python's compact sorted spelling, as a forger might write it."""
+def _as_written(data: bytes, workers: int = 1) -> tuple[dict[str, Any], Findings] | None:
+    """The fast reader's header and findings, or None where it leaves the file to the strict reader."""
+    head = layout_head(data)
+    if head is None:
+        return None
+    doc, start, end = head
+    found = layout_findings(data, start, end, workers=workers, meanwhile=lambda: None)
+    return None if found is None else (doc, found)
+
+
+def _spelt(body: Any, rfc: bool) -> bytes:
+    """A body in RFC 8785 bytes, or (where ``rfc`` is false, or RFC 8785 refuses it) in a compact sorted
+    spelling, orjson's or Python's, as a forger might write it."""
+    for spell in ((canonical,) if rfc else ()) + (compact_sorted,):
+        try:
+            return spell(body)
+        except Exception:  # noqa: BLE001 - refused: the next spelling
+            continue
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass")
+
+
+def _laid_out(bodies: list[Any], spelling: list[bool], indices: list[int] | None = None) -> bytes:
+    """An export in the log's layout, each body spelt as ``_spelt`` says, each record at its index
+    (by default its position) with its body's leaf hash."""
     header = {"format": layout.EXPORT_FORMAT, "origin": "o", "size": len(bodies), "keys": []}
     pieces = []
     for i, (body, rfc) in enumerate(zip(bodies, spelling)):
-        try:
-            entry = canonical(body) if rfc else compact_sorted(body)
-        except Exception:  # noqa: BLE001
-            entry = compact_sorted(body)
-        pieces.append(layout.record(i, hash_leaf(entry).hex(), entry))
+        entry = _spelt(body, rfc)
+        pieces.append(layout.record(i if indices is None else indices[i], hash_leaf(entry).hex(), entry))
     return layout.head(header, ["a note\n"]).encode() + layout.RECORD_SEPARATOR.join(pieces) + layout.TAIL
 
 
+def _same(fast: Findings, strict: Findings) -> bool:
+    return (fast.count, fast.leaves, fast.notes) == (strict.count, strict.leaves, strict.notes)
+
+
 @settings(max_examples=200, deadline=None)
-@given(bodies=st.lists(BODY, max_size=5), spelling=st.lists(st.booleans(), min_size=5, max_size=5))
-def test_what_the_layout_reader_accepts_the_strict_reader_reads_alike_with_rfc8785_bodies(bodies, spelling):
-    data = _laid_out([_parsed(b) for b in bodies], spelling)
+@given(bodies=st.lists(BODY, max_size=5), spelling=st.lists(st.booleans(), min_size=5, max_size=5),
+       moved=st.lists(st.integers(0, 6), min_size=5, max_size=5))
+def test_what_the_layout_reader_accepts_the_strict_reader_reads_alike(bodies, spelling, moved):
+    data = _laid_out([_parsed(b) for b in bodies], spelling, moved[: len(bodies)])
     fast = _as_written(data)
     if fast is None:
         return
-    doc, entries = fast
-    assert doc == load_json(data, "export")
-    assert entries == [canonical(rec["body"]) for rec in doc["records"]]
+    doc, found = fast
+    strict = load_json(data, "export")
+    assert doc == {**strict, "records": []}
+    assert _same(found, findings(strict["records"]))
 
 
 def test_the_log_export_is_read_by_the_layout_reader_and_any_other_spelling_by_the_strict_one(honest, signer, tmp_path):
     _, doc, path = honest
-    assert _as_written(path.read_bytes()) is not None
+    fast = _as_written(path.read_bytes())
+    assert fast is not None and _same(fast[1], findings(doc["records"])) and not fast[1].notes
     indented = tmp_path / "indented.json"
     indented.write_text(json.dumps(doc, indent=1))
     assert _as_written(indented.read_bytes()) is None
@@ -151,3 +185,125 @@ def test_an_index_past_64_bits_is_read_exactly_by_the_strict_reader(honest, sign
     assert _as_written(forged.encode()) is None
     report = verify_export(_write(tmp_path / "big.json", forged), public_key_pem=signer.public_key_pem)
     assert f"record 3: index {index} found at position 3" in report.errors[0]
+
+
+def test_the_layout_reader_spells_records_as_the_layout_does():
+    entry = b'{"kind":"forget","time":"t"}'
+    assert verify_records._laid_out([7, 8], [b"ab" * 32, b"cd" * 32], [entry, entry]) == layout.RECORD_SEPARATOR.join(
+        [layout.record(7, "ab" * 32, entry), layout.record(8, "cd" * 32, entry)])
+
+
+@pytest.fixture
+def tampered(honest, forge, tmp_path) -> tuple[dict[str, Any], Path]:
+    """The honest export with a forged witness and a deleted record, still in the log's layout."""
+    doc = copy.deepcopy(honest[1])
+    doc["records"][0]["body"]["witness"]["max_abs_dv"] = 0.25
+    forge.rehash(doc["records"][0])
+    del doc["records"][9]
+    path = tmp_path / "tampered.json"
+    path.write_bytes(forge.lay_out(doc))
+    return doc, path
+
+
+@pytest.mark.parametrize("block, batch", [(1, 1), (300, 2), (2000, 3), (verify_records.BLOCK, verify_records.BATCH)])
+def test_block_and_batch_sizes_change_nothing_found(honest, tampered, monkeypatch, block, batch):
+    monkeypatch.setattr(verify_records, "BLOCK", block)
+    monkeypatch.setattr(verify_records, "BATCH", batch)
+    for doc, path in (honest[1:], tampered):
+        fast = _as_written(path.read_bytes())
+        assert fast is not None and _same(fast[1], findings(doc["records"]))
+
+
+def _reports(path: Path, signer: Any) -> tuple[Any, Any]:
+    one, two = (verify_export(path, public_key_pem=signer.public_key_pem, workers=w) for w in (1, 2))
+    assert (two.errors, two.checked, two.anchor, two.exit_code) == (one.errors, one.checked, one.anchor, one.exit_code)
+    return one, two
+
+
+def test_two_processes_give_the_report_and_first_error_of_one(honest, tampered, signer):
+    for doc, path in (honest[1:], tampered):
+        one, two = _reports(path, signer)
+        assert (one.processes, two.processes) == (1, 2)
+    assert one.errors[0] == "record 0: witness: max_abs_dv = 0.25, expected exactly 0"
+    assert "record 9: index 10 found at position 9 (records deleted, inserted or reordered)" in one.errors
+
+
+def test_without_a_second_process_one_process_gives_the_same_report(tampered, signer, monkeypatch):
+    def no_fork() -> int:
+        raise OSError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(verify_records.os, "fork", no_fork)
+    _, two = _reports(tampered[1], signer)
+    assert two.processes == 1 and not two.ok
+
+
+def test_a_second_process_that_dies_is_replaced_by_this_one(tampered, signer, monkeypatch):
+    read, parent = verify_records._read, os.getpid()
+
+    def dies_if_forked(*args: Any) -> Any:
+        if os.getpid() != parent:
+            os._exit(3)  # killed, out of memory...: it sends nothing back
+        return read(*args)
+
+    monkeypatch.setattr(verify_records, "_read", dies_if_forked)
+    _, two = _reports(tampered[1], signer)
+    assert two.processes == 1 and not two.ok
+
+
+def test_a_process_running_threads_is_not_forked(tampered, signer):
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+        _, two = _reports(tampered[1], signer)
+    finally:
+        stop.set()
+        thread.join()
+    assert two.processes == 1
+
+
+NASTY = st.sampled_from([None, True, 0, -1, 2**53, 1.5, 1.0, "", "x", "é", [], {}, [1, 2], {"content": "x"}])
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data())
+def test_any_tampering_in_the_layout_gets_one_report_from_either_reader_in_one_process_or_two(honest, forge, signer, tmp_path, data):
+    """The strict reader (a dict), the fast one (the same export in the log's layout) and the fast
+    one in two processes: the same verdict, the same errors in the same order, never a traceback."""
+    doc = copy.deepcopy(honest[1])
+    records = doc["records"]
+    for _ in range(data.draw(st.integers(1, 3), label="tamperings")):
+        r = data.draw(st.integers(0, len(records) - 1), label="record")
+        how = data.draw(st.sampled_from(["field", "field", "drop", "swap", "index", "leaf", "rehash", "record"]), label="how")
+        if how in ("field", "index", "leaf", "rehash") and not (isinstance(records[r], dict) and isinstance(records[r].get("body"), dict)):
+            continue  # replaced by a non-record earlier
+        if how == "field":
+            body = records[r]["body"]
+            target = body["witness"] if "witness" in body and data.draw(st.booleans(), label="in witness") else body
+            target[data.draw(st.sampled_from(sorted(target) + ["extra"]), label="name")] = data.draw(NASTY, label="value")
+        elif how == "drop" and len(records) > 1:
+            del records[r]
+        elif how == "swap":
+            s = data.draw(st.integers(0, len(records) - 1), label="with")
+            records[r], records[s] = records[s], records[r]
+        elif how == "index":
+            records[r]["index"] = data.draw(st.integers(-1, len(records) + 1), label="index")
+        elif how == "leaf":
+            records[r]["leaf_hash"] = data.draw(st.sampled_from(["", "00" * 32, "AB" * 32]), label="leaf")
+        elif how == "rehash":
+            try:
+                forge.rehash(records[r])
+            except AuditError:  # RFC 8785 refuses the body: its leaf hash stays as it was
+                pass
+        elif how == "record":
+            records[r] = data.draw(st.sampled_from([{}, [], "x", {"index": r, "leaf_hash": "", "body": []}]), label="record")
+    try:
+        laid_out = forge.lay_out(doc)
+    except Exception:  # noqa: BLE001 - RFC 8785 refuses a body (an integer past 2**53, say): no layout to write
+        return
+    path = tmp_path / "t.json"
+    path.write_bytes(laid_out)
+    strict, one, two = (verify_export(source, public_key_pem=signer.public_key_pem, workers=w)
+                        for source, w in ((json.loads(laid_out), 1), (path, 1), (path, 2)))
+    for report in (one, two):
+        assert (report.errors, report.checked, report.anchor, report.exit_code) == (strict.errors, strict.checked, strict.anchor, strict.exit_code)

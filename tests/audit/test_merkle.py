@@ -90,6 +90,16 @@ def test_compact_range_roots_match_reference_for_every_size():
     assert [mth(0, n) for n in range(MAX + 1)] == ROOTS
 
 
+@settings(max_examples=200, deadline=None)
+@given(cuts=st.lists(st.integers(0, MAX), max_size=6))
+def test_extending_by_runs_of_leaves_gives_the_reference_roots(cuts):
+    tree, done = CompactRange(), 0
+    for cut in sorted(cuts):
+        tree.extend(b"".join(LEAVES[done:cut]))
+        done = max(done, cut)
+        assert tree.size == done and tree.root() == mth(0, done)
+
+
 def test_every_size_every_leaf_inclusion_matches_reference_and_verifies():
     for n in range(1, MAX + 1):
         for m in range(n):

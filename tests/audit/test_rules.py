@@ -95,6 +95,21 @@ def test_a_witness_number_too_large_for_a_float_is_refused_not_a_crash(honest, s
     assert any(e.startswith("record 0: witness: max_abs_dv = 999") for e in report.errors), report.errors
 
 
+@pytest.mark.parametrize("kind", [[], {}, ["forget"]])
+def test_a_kind_that_is_a_list_or_an_object_is_named_not_a_crash(honest, sqlite_log, record, signer, kind):
+    with pytest.raises(AuditError, match="is not one of"):
+        sqlite_log.append({**record(0), "kind": kind})
+    log, doc, _ = honest
+    doc["records"][0]["body"]["kind"] = kind
+    report = verify_export(doc, public_key_pem=signer.public_key_pem)
+    assert report.exit_code == 1 and report.errors[0].startswith(f"record 0: leaf hash"), report.errors
+    assert f"record 0: schema: kind {kind!r} is not one of" in report.errors[1]
+    proof = log.erasure_proof(0)
+    proof["record"]["body"]["kind"] = kind
+    report = verify_erasure_proof(proof, public_key_pem=signer.public_key_pem)
+    assert any(e.startswith(f"record 0: a {kind!r} record is not an erasure") for e in report.errors), report.errors
+
+
 @pytest.mark.parametrize("kind", ["quarantine", "policy-bundle"])
 def test_a_record_that_is_no_erasure_carries_no_witness(sqlite_log, record, kind):
     with pytest.raises(AuditError, match=f"a {kind} record carries no witness"):
@@ -171,6 +186,7 @@ def test_the_kernels_forget_witness_is_accepted_exactly_when_it_shows_never_saw(
 def test_the_writer_and_the_verifier_use_one_rule_set():
     import audit.records
     import audit.rules
-    import audit.verify
+    import audit.verify_records
 
-    assert audit.verify.witness_errors is audit.rules.witness_errors is audit.records.witness_errors
+    assert audit.verify_records.witness_errors is audit.rules.witness_errors is audit.records.witness_errors
+    assert audit.verify_records.body_errors is audit.records.body_errors  # audit.accept only vouches; these judge

@@ -136,13 +136,18 @@ def test_untampered_export_verifies(export, filled, signer):
 
 
 @pytest.mark.parametrize("tamper, expected", EXPORT_TAMPERS, ids=[t.__name__ for t, _ in EXPORT_TAMPERS])
-def test_tampered_export_is_detected(export, filled, signer, tamper, expected):
+def test_tampered_export_is_detected_alike_in_one_process_or_two(export, filled, signer, forge, tmp_path, tamper, expected):
     doc = copy.deepcopy(export)
     tamper(doc)
-    report, two = (verify_export(doc, trusted_checkpoint=filled[1], public_key_pem=signer.public_key_pem, workers=w) for w in (1, 2))
+    path = tmp_path / "tampered.json"
+    path.write_bytes(forge.lay_out(doc))  # in the log's layout: read by the fast reader, in one process or two
+    report, one, two = (verify_export(source, trusted_checkpoint=filled[1], public_key_pem=signer.public_key_pem, workers=w)
+                        for source, w in ((doc, 1), (path, 1), (path, 2)))
     assert not report.ok
     assert any(e.startswith(expected) for e in report.errors), report.errors
-    assert (two.errors, two.checked, two.anchor) == (report.errors, report.checked, report.anchor)  # a forked half: the same words, in order
+    assert (one.processes, two.processes) == (1, 2)
+    for other in (one, two):  # the strict reader, the fast one, and two processes: the same words, in order
+        assert (other.errors, other.checked, other.anchor) == (report.errors, report.checked, report.anchor)
 
 
 def test_truncating_records_and_checkpoints_is_caught_by_the_trusted_checkpoint(export, filled, signer):
@@ -272,7 +277,7 @@ def test_tampered_database_is_detected(filled, sqlite_url, signer, tmp_path, tam
     assert any(e.startswith(expected) for e in report.errors), report.errors
 
 
-def test_a_forged_key_rotation_is_detected(sqlite_url, signer, record, tmp_path):
+def test_a_forged_key_rotation_is_detected(sqlite_url, signer, record, forge, tmp_path):
     log = AuditLog(sqlite_url, signer, batch_size=4)
     log.append_many([record(i) for i in range(3)])
     new = Signer.generate()
@@ -285,8 +290,10 @@ def test_a_forged_key_rotation_is_detected(sqlite_url, signer, record, tmp_path)
     key = doc["records"][r]["body"]["key"]
     key["new_public_key"], key["new_key_id"] = base64.b64encode(forger.verifier.raw).decode(), forger.key_id
     _rehash(doc["records"][r])
-    report, two = (verify_export(doc, public_key_pem=signer.public_key_pem, workers=w) for w in (1, 2))
+    path = tmp_path / "forged.json"
+    path.write_bytes(forge.lay_out(doc))
+    report, two = verify_export(doc, public_key_pem=signer.public_key_pem), verify_export(path, public_key_pem=signer.public_key_pem, workers=2)
     assert any(e.startswith(f"record {r}: key rotation: hand-over is not signed by the old key") for e in report.errors)
     assert any(e.startswith(f"checkpoint {doc['size']}: signature") for e in report.errors)  # the new key never took over
-    assert (two.errors, two.checked) == (report.errors, report.checked)  # two processes: the same words, in order
+    assert two.processes == 2 and (two.errors, two.checked) == (report.errors, report.checked)  # two processes: the same words, in order
     log.close()
