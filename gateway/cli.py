@@ -201,18 +201,20 @@ def bench_mcp(clients: int = 8, calls: int = 50, json_out: JsonFlag = False) -> 
 
 
 @bench_app.command("memory")
-def bench_memory(sessions: int = 200, turns: int = 4, rows: Annotated[int, typer.Option(help="lines per tool result")] = 12,
-                 concurrency: int = 8, budget_share: Annotated[float, typer.Option(
+def bench_memory(sessions: int = 200, turns: int = 3, rows: Annotated[int, typer.Option(help="lines per tool result")] = 4,
+                 max_tokens: int = 2, concurrency: int = 8, budget_share: Annotated[float, typer.Option(
                      help="the KV budget as a share of what the sessions need")] = 0.1,
+                 sample: Annotated[int, typer.Option(help="offloaded sessions compared with a fresh prefill")] = 16,
                  long_tokens: Annotated[int, typer.Option(help="the restore-vs-rebuild session's tokens")] = 2000,
                  reps: int = 3, json_out: JsonFlag = False) -> None:
-    """KV budget under load: status codes, peak RSS vs budget, ledgers, exact restores, restore vs rebuild."""
+    """KV budget under load: status codes, peak RSS vs budget + overhead, ledgers, exact restores,
+    restore vs rebuild. Progress on stderr; the gateway listens on LETHE_PORT."""
     from .membench import run_memory_bench
 
     settings = _settings()  # logs to stderr: stdout carries only the result
     _report(run_memory_bench(settings.model_copy(update={"log_level": "warning"}), sessions=sessions, turns=turns,
-                             rows=rows, concurrency=concurrency, budget_share=budget_share,
-                             long_tokens=long_tokens, reps=reps), json_out)
+                             rows=rows, max_tokens=max_tokens, concurrency=concurrency, budget_share=budget_share,
+                             sample=sample, long_tokens=long_tokens, reps=reps), json_out)
 
 
 @bench_app.command("policy")

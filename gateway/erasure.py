@@ -26,10 +26,10 @@ from ledger import ContentStore, ErasureIncomplete, Intent, Ledger, Segment, Seg
 from policies import PolicyEngine
 
 from .chat import ChatMessage, Conversation, stub_text
-from .errors import GatewayError, busy, fails_as, not_found
+from .errors import GatewayError, fails_as, not_found
 from .metrics import Metrics
 from .residency import Residency
-from .sessions import LiveSession, PrefixCache, Sessions
+from .sessions import LiveSession, PrefixCache, Sessions, prefill_pieces
 from .tenants import Principal
 from .turn import Staged, Turn
 
@@ -110,7 +110,7 @@ class Erasure:
     def __init__(self, *, sessions: Sessions, ledger: Ledger, audit: AuditLog, policy: PolicyEngine,
                  metrics: Metrics, compute: Any, witness_mode: str, lock_timeout_s: float, tokenizer: Any,
                  residency: Residency) -> None:
-        self.tokenizer = tokenizer  # to rebuild a cache from the ledger (`_rebuild`)
+        self.tokenizer = tokenizer  # to rebuild a cache from the ledger (`rebuild`)
         self.sessions = sessions
         self.residency = residency
         self.ledger = ledger
@@ -152,14 +152,18 @@ class Erasure:
         done = 0
         for session_id in sessions:
             record = self.ledger.get_session(session_id)
-            live = self.sessions.resident(record) if record is not None else None
-            if live is None or not live.lock.acquire(timeout=min(self.lock_timeout_s, 1.0)):
+            if record is None:
                 continue
             try:
-                self._settle_session(live)
-                done += 1
-            finally:
-                live.lock.release()
+                with self.sessions.hold(record, min(self.lock_timeout_s, 1.0)) as live:
+                    try:
+                        self._settle_session(live)
+                    finally:
+                        self.residency.settle(live)  # a rebuild's KV reservation is given back
+                    done += 1
+            except GatewayError as err:
+                if err.code != "session_busy":
+                    raise
         if done:
             log.info("intents.settled", sessions=done)
         return done
@@ -179,15 +183,11 @@ class Erasure:
         return done
 
     def _forget_owed(self, live: LiveSession, intent: Intent) -> dict[str, Any]:
-        """A forget a turn owes, keyed to its intent. A cache lost with the process is rebuilt from
-        the ledger, so the kernel forgets and witnesses it; if the ledger no longer renders to its
-        own token counts (the model changed), the stored content is erased (`content-erase`)."""
+        """A forget a turn owes, keyed to its intent (a cache lost with the process is rebuilt
+        from the ledger first: see `forget`)."""
         with fails_as("ledger"):
             current = {s.id: s for s in self.ledger.segments(live.record.id)}
         segments = [current[i] for i in intent.payload["segments"] if i in current]
-        alive = [s for s in segments if s.state not in DEAD and s.n_tokens]
-        if alive and not len(live.cache) and not self._rebuild(live, list(current.values())):
-            return self.forget(live, segments, kind=CONTENT_ERASE, actor="policy", intent=intent)
         return self.forget(live, segments, kind="forget", actor="policy", decisions=intent.payload["decisions"],
                            intent=intent)
 
@@ -200,16 +200,17 @@ class Erasure:
             current = {s.id: s for s in self.ledger.segments(live.record.id)}
         segments = [current[i] for i in intent.payload["segments"] if i in current]
         todo = [s for s in segments if s.state is SegmentState.LIVE and s.n_tokens]
-        if todo and not len(live.cache) and not self._rebuild(live, list(current.values())):
+        if todo and not len(live.cache) and not self.rebuild(live, list(current.values())):
             return [self.forget(live, todo, kind=CONTENT_ERASE, actor="policy", intent=intent)]
         keys = iter(intent_keys(intent, [s.id for s in todo]))
         results = [self._amortize(live, seg, intent.payload["decisions"][seg.id], next(keys)) for seg in todo]
         self._done(intent)
         return results
 
-    def _rebuild(self, live: LiveSession, segments: list[Segment]) -> bool:
-        """Prefill the session's cache with what its ledger says it holds; False (cache left empty)
-        when a segment does not render to its recorded token count."""
+    def rebuild(self, live: LiveSession, segments: list[Segment]) -> bool:
+        """Prefill the session's (empty) cache with what its ledger says it holds, within the KV
+        budget (the caller settles the reservation); False (cache left empty) when a segment does
+        not render to its recorded token count. The caller holds the session's lock."""
         conversation = [s for s in segments if s.state is not SegmentState.SUPERSEDED]
         content = self.ledger.content
         texts = [content.get(s.content_sha256).decode("utf-8", "surrogatepass")
@@ -221,13 +222,15 @@ class Erasure:
         for k, seg in enumerate(conversation):
             piece = segment_tokens(conv, k, seg, content)
             if len(piece) != seg.n_tokens:
-                log.error("intent.rebuild_mismatch", session=live.record.id, segment=seg.id,
+                log.error("cache.rebuild_mismatch", session=live.record.id, segment=seg.id,
                           ledger_tokens=seg.n_tokens, rendered=len(piece))
                 return False
             tokens.extend(piece)
+        self.residency.reserve(live, len(tokens))  # within the KV budget, or 503 kv_budget_exhausted
         with fails_as("kernel"):
-            self._compute(live.cache.extend, tokens)
-        log.info("intent.cache_rebuilt", session=live.record.id, tokens=len(tokens))
+            for piece in prefill_pieces(tokens):
+                self._compute(live.cache.extend, piece)
+        log.info("cache.rebuilt", session=live.record.id, tokens=len(tokens))
         return True
 
     # ---- exact forget -------------------------------------------------------------------------
@@ -243,11 +246,11 @@ class Erasure:
         name every copy touched, the resident cache and any prefix-cache entry included."""
         copies = {**(copies or {}), **self._prefix_copies(live, segments)}
         spans = sorted((s.start, s.end) for s in segments if s.n_tokens > 0)
-        if spans and not len(live.cache):  # not resident (a restart): the next rebuild skips them anyway
-            if kind == "forget":  # but a forget record carries the kernel's never-saw witness
-                raise GatewayError(409, "session_not_resident",
-                                   f"session {live.record.id} has no cache in memory (the gateway restarted); send "
-                                   "a turn on it to rebuild the cache, then retry the erasure")
+        rebuilt = 0
+        if spans and not len(live.cache) and kind == "forget":
+            kind, rebuilt = self._resident_for_witness(live)
+        if spans and not len(live.cache):  # no copy in memory (retention, content-erase): ledger only
+            copies["resident"] = "none"
             spans = []
         started = time.perf_counter()
         with fails_as("kernel"):
@@ -266,7 +269,8 @@ class Erasure:
         self.metrics.erasure_seconds.observe(elapsed)
         witness = result.witness.to_dict() if result is not None and result.witness is not None else None
         if spans:
-            copies["resident"] = {"action": "forgotten-exact", "tokens_after": len(live.cache)}
+            copies["resident"] = {"action": "forgotten-exact", "tokens_after": len(live.cache),
+                                  **({"rebuilt_from_ledger": rebuilt} if rebuilt else {})}
         records = [{**self._erasure_record(stored_kind(kind, s), live.record, s, actor,
                                            None if s.state in DEAD else witness,
                                            (decisions or {}).get(s.id)), "copies": copies} for s in segments]
@@ -282,6 +286,18 @@ class Erasure:
                  spans=spans, ms=round(elapsed * 1e3, 1), equal=witness.get("equal") if witness else None)
         return {"kind": kind, "segments": [s.id for s in segments], "spans": [list(s) for s in spans],
                 "audit_indices": indices, "witness": witness, "latency_ms": round(elapsed * 1e3, 3)}
+
+    def _resident_for_witness(self, live: LiveSession) -> tuple[str, int]:
+        """A forget of a session with no cache in memory (dropped by the KV budget, or lost with a
+        restart): its record must carry the kernel's never-saw witness, so the cache is rebuilt
+        from the ledger (within the budget) and the forget runs on it. If the ledger no longer
+        renders to its own token counts (the model changed), the stored content is erased instead
+        (`content-erase`, which claims no witness). Returns the kind and the tokens rebuilt."""
+        with fails_as("ledger"):
+            segments = self.ledger.segments(live.record.id)
+        if not self.rebuild(live, segments):
+            return CONTENT_ERASE, 0
+        return "forget", len(live.cache)
 
     def _prefix_copies(self, live: LiveSession, segments: list[Segment]) -> dict[str, Any]:
         """A forgotten system prompt also leaves the salted prefix cache it seeded."""
@@ -350,7 +366,7 @@ class Erasure:
                 "action": "forget"})
         if not decision.allowed:
             raise GatewayError(403, "erasure_denied", "erasure denied by policy: " + "; ".join(decision.reasons))
-        with self.sessions.resident(record).hold(self.lock_timeout_s) as live:
+        with self.sessions.hold(record, self.lock_timeout_s) as live:
             try:
                 copies = self.residency.admit(live)
                 result = self.forget(live, self._select(session_id, selector), kind="forget",
@@ -448,18 +464,13 @@ class Erasure:
         live_segments = [s for s in segments if s.state is not SegmentState.QUARANTINED]
         if not live_segments:
             return len(quarantined)
-        live = self.sessions.resident(record)
-        if not live.lock.acquire(timeout=min(self.lock_timeout_s, 1.0)):
-            raise busy(f"session {record.id}", 1.0)
-        try:
+        with self.sessions.hold(record, min(self.lock_timeout_s, 1.0)) as live:
             current = {s.id: s for s in self.ledger.segments(record.id)}
             fresh = [current[s.id] for s in live_segments if current[s.id].state not in DEAD]
             if fresh:
                 copies = self.residency.admit(live)
                 self.forget(live, fresh, kind="retention-forget", actor="retention", copies=copies)
                 self.residency.settle(live)
-        finally:
-            live.lock.release()
         return len(quarantined) + len(live_segments)
 
 

@@ -3,20 +3,31 @@
 What it checks, on a real gateway on loopback with the configured model: every request answers
 200, or 503 `kv_budget_exhausted` with Retry-After (the client then waits and retries; the count of
 each is reported with the overload: what the sessions need against the budget); RSS stays within
-the budget plus a fixed overhead (the process before the load: weights, runtime, allocator);
+the budget plus a stated overhead over the process before the load (`memstat.overhead_bytes`, with
+one turn thread per concurrent client);
 every session's ledger holds its messages in order; every restore is verified (digest at
-eviction), and at the end sampled sessions are restored and compared with a fresh prefill of their
-tokens (exact: equal digests). Then one long session: restore from the offload tier against a
-rebuild (prefill) of the same tokens.
+eviction), and at the end sampled offloaded sessions are restored and compared with a fresh
+prefill of their tokens (exact: equal digests). Then one long session: a verified restore from the
+offload tier against a rebuild of the same session from its ledger.
+
+The sessions take their turns round by round (every session's turn 1, then every session's turn
+2, ...), so with a budget of a tenth nearly every turn after the first finds its session evicted
+and restores it: the load exercises eviction, offload and restore, not one session's hot cache.
+Turns are short (a few tool-result rows, `max_tokens` 2): the bench is about memory, not
+generation. Progress goes to stderr every few seconds; the result is one JSON object.
 
 The clients are threads of this process (their memory, a few MiB, is in the RSS figures).
 """
 from __future__ import annotations
 
+import os
 import statistics
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,12 +36,13 @@ import structlog
 
 from .config import Settings
 from .loadtest import ledger_matches
-from .memstat import rss_bytes
+from .memstat import overhead_bytes, rss_bytes
 from .service import Gateway
 
 log = structlog.get_logger(__name__)
 
 MB = 1 << 20
+LOCK_S = 60.0  # the bench's own holds of a session (sampling, the long session): generous, never hit
 
 
 @dataclass
@@ -44,6 +56,10 @@ class Agent:
     retried_503: int = 0
     refused_503_without_retry_after: int = 0
     problem: str = ""
+
+    def start(self) -> None:
+        self.messages = [{"role": "system", "content": "You are an inventory agent."},
+                         {"role": "user", "content": f"Check stock for store {self.n}."}]
 
 
 def _tool_result(n: int, turn: int, rows: int) -> str:
@@ -68,122 +84,189 @@ def _post(http: httpx.Client, agent: Agent, max_tokens: int, retries: int) -> ht
     return None
 
 
-def _run_agent(base: str, key: str, agent: Agent, turns: int, rows: int, max_tokens: int, retries: int) -> Agent:
-    agent.messages = [{"role": "system", "content": "You are an inventory agent."},
-                      {"role": "user", "content": f"Check stock for store {agent.n}."}]
-    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=900) as http:
-        for turn in range(turns):
-            call = f"c{turn}"
-            agent.messages += [{"role": "assistant", "content": None, "tool_calls": [
-                {"id": call, "type": "function", "function": {"name": "inventory", "arguments": "{}"}}]},
-                {"role": "tool", "tool_call_id": call, "content": _tool_result(agent.n, turn, rows)}]
-            response = _post(http, agent, max_tokens, retries)
-            if response is None or response.status_code != 200:
-                agent.problem = f"turn {turn}: " + ("503 after retries" if response is None else
-                                                    f"HTTP {response.status_code} {response.text[:200]}")
-                return agent
-            agent.session_id = response.headers["x-lethe-session"]
-            agent.messages.append({"role": "assistant",
-                                   "content": response.json()["choices"][0]["message"]["content"] or ""})
-        agent.messages.pop()  # the last reply reaches the ledger only with a next turn
-        segments = http.get(f"/v1/sessions/{agent.session_id}/segments").json()["segments"]
-    ok, problem = ledger_matches(segments, agent.messages)
-    agent.problem = agent.problem or ("" if ok else problem)
-    return agent
+def _turn(http: httpx.Client, agent: Agent, turn: int, rows: int, max_tokens: int, retries: int,
+          content: str | None = None) -> None:
+    """One turn: a tool call and its result, then the reply (the last reply reaches the ledger
+    only with a next turn)."""
+    if agent.problem:
+        return
+    call = f"c{turn}"
+    agent.messages += [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call, "type": "function", "function": {"name": "inventory", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": call, "content": content or _tool_result(agent.n, turn, rows)}]
+    response = _post(http, agent, max_tokens, retries)
+    if response is None or response.status_code != 200:
+        agent.problem = f"turn {turn}: " + ("503 after retries" if response is None else
+                                            f"HTTP {response.status_code} {response.text[:200]}")
+        return
+    agent.session_id = response.headers["x-lethe-session"]
+    agent.messages.append({"role": "assistant", "content": response.json()["choices"][0]["message"]["content"] or ""})
 
 
-class RssSampler:
-    """The process's RSS, sampled every `period_s` in a thread; `peak` is the most seen."""
+def _check_ledger(http: httpx.Client, agent: Agent) -> None:
+    if agent.problem:
+        return
+    segments = http.get(f"/v1/sessions/{agent.session_id}/segments").json()["segments"]
+    ok, problem = ledger_matches(segments, agent.messages[:-1])
+    agent.problem = "" if ok else problem
 
-    def __init__(self, period_s: float = 0.02) -> None:
+
+def _run_agents(base: str, key: str, agents: list[Agent], *, turns: int, rows: int, max_tokens: int,
+                retries: int, concurrency: int, progress: "Progress") -> None:
+    """Every agent's turn `t` before any agent's turn `t + 1`, `concurrency` at a time."""
+    local = threading.local()
+    clients: list[httpx.Client] = []
+
+    def client() -> httpx.Client:
+        if not hasattr(local, "http"):
+            local.http = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=900)
+            clients.append(local.http)
+        return local.http  # type: ignore[no-any-return]
+
+    def step(agent: Agent, turn: int) -> None:
+        _turn(client(), agent, turn, rows, max_tokens, retries)
+        progress.requests_done += 1
+
+    for agent in agents:
+        agent.start()
+    try:
+        with ThreadPoolExecutor(concurrency) as pool:
+            for turn in range(turns):
+                progress.turn = turn
+                list(pool.map(lambda a: step(a, turn), agents))
+            list(pool.map(lambda a: _check_ledger(client(), a), agents))
+    finally:
+        for http in clients:
+            http.close()
+
+
+class Progress:
+    """Samples RSS every 20 ms (its peak is the figure reported) and writes a progress line to
+    stderr every `every_s` seconds."""
+
+    def __init__(self, gw: Gateway, agents: list[Agent], total: int, every_s: float = 10.0) -> None:
         self.peak = rss_bytes()
-        self._period = period_s
+        self.requests_done = 0
+        self.turn = 0
+        self._gw, self._agents, self._total, self._every = gw, agents, total, every_s
+        self._started = time.monotonic()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="membench-progress", daemon=True)
 
-    def __enter__(self) -> "RssSampler":
+    def __enter__(self) -> "Progress":
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        self.report()
 
     def _run(self) -> None:
-        while not self._stop.wait(self._period):
+        next_line = self._started + self._every
+        while not self._stop.wait(0.02):
             self.peak = max(self.peak, rss_bytes())
+            if time.monotonic() >= next_line:
+                next_line += self._every
+                self.report()
+
+    def report(self) -> None:
+        m = self._gw.p.metrics
+        res = self._gw.residency
+        retried = sum(a.retried_503 for a in self._agents)
+        failed = sum(1 for a in self._agents if a.problem)
+        print(f"membench {time.monotonic() - self._started:6.0f}s round {self.turn + 1}: "
+              f"{self.requests_done}/{self._total} turns, {retried} 503 retried, {failed} sessions failed, "
+              f"rss {rss_bytes() / MB:.0f} MiB (peak {self.peak / MB:.0f}), "
+              f"kv {res.used() / MB:.0f}/{res.budget / MB:.0f} MiB, "
+              f"evicted {_count(m.kv_evictions, 'offloaded')}+{_count(m.kv_evictions, 'dropped')}, "
+              f"restored {_count(m.kv_restores, 'hit')}, load {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+
+
+def _count(metric: Any, label: str | None = None) -> int:
+    return int((metric.labels(label) if label else metric)._value.get())
+
+
+@contextmanager
+def _held(gw: Gateway, session_id: str) -> Iterator[Any]:
+    record = gw.p.ledger.get_session(session_id)
+    assert record is not None
+    with gw.sessions.hold(record, LOCK_S) as live:
+        yield live
+
+
+def _exact_restores(gw: Gateway, agents: list[Agent], sample: int) -> dict[str, Any]:
+    """Restore sampled offloaded sessions and compare each with a fresh prefill of its tokens."""
+    offload = gw.residency.offload
+    ids = [a.session_id for a in agents if a.session_id and not a.problem]
+    chosen = [s for s in ids if offload is not None and offload.copy_of(s) is not None][:sample]
+    exact = 0
+    for sid in chosen:
+        with _held(gw, sid) as live:
+            touched = gw.residency.admit(live)
+            restored = touched.get("offload", {}).get("action") == "restored-erased"
+            tokens = live.cache.tokens
+            exact += restored and gw.compute(gw.p.kernel.prefill, tokens).digest() == live.cache.digest()
+            gw.residency.settle(live)
+    return {"offloaded_checked": len(chosen), "exact": exact}
+
+
+def restore_vs_rebuild(gw: Gateway, base: str, key: str, tokens: int, reps: int) -> dict[str, Any]:
+    """One session of about `tokens` tokens, made through the API: a verified restore from the
+    offload tier against a rebuild from its ledger (what a dropped session costs: the ledger's
+    content rendered, tokenized and prefilled), median of `reps`, on the gateway's own kernel."""
+    agent = Agent(-1)
+    agent.start()
+    rows = max(1, tokens // 25)  # a row is about 25 tokens
+    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=900) as http:
+        _turn(http, agent, 0, rows, 1, retries=20)
+    if agent.problem:
+        raise RuntimeError(f"the long session failed: {agent.problem}")
+    offload = gw.residency.offload
+    assert offload is not None
+    restore_s, rebuild_s, exact = [], [], True
+    with _held(gw, agent.session_id) as live:
+        reference = live.cache.digest()
+        n = len(live.cache)
+        for _ in range(reps):
+            gw.residency.drop(live)
+            started = time.perf_counter()
+            assert gw.erasure.rebuild(live, gw.p.ledger.segments(live.record.id))
+            rebuild_s.append(time.perf_counter() - started)
+            exact &= live.cache.digest() == reference
+            copy, _lost = offload.store(live.record.id, live.cache, "bench")
+            assert copy is not None
+            gw.residency.drop(live)
+            started = time.perf_counter()
+            live.cache = offload.load(copy, gw.p.kernel)
+            restore_s.append(time.perf_counter() - started)
+            offload.discard(live.record.id)
+            exact &= live.cache.digest() == reference
+        gw.residency.release(live)
+    rebuild, restore = statistics.median(rebuild_s), statistics.median(restore_s)
+    return {"tokens": n, "reps": reps, "rebuild_from_ledger_s": round(rebuild, 4),
+            "restore_verified_s": round(restore, 4), "speedup": round(rebuild / restore, 2) if restore else None,
+            "exact": exact}
 
 
 def _session_bytes(gw: Gateway, base: str, key: str, turns: int, rows: int, max_tokens: int) -> int:
     """What one finished session holds (measured: one agent run to the end, then released)."""
-    agent = _run_agent(base, key, Agent(-1), turns, rows, max_tokens, retries=0)
+    agent = Agent(-1)
+    agent.start()
+    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=900) as http:
+        for turn in range(turns):
+            _turn(http, agent, turn, rows, max_tokens, retries=0)
     if agent.problem:
         raise RuntimeError(f"the sizing session failed: {agent.problem}")
-    live = gw.sessions.get(agent.session_id)
-    assert live is not None
-    with live.lock:
+    with _held(gw, agent.session_id) as live:
         held = live.cache.nbytes
         gw.residency.release(live)
     return held
 
 
-def _exact_restores(gw: Gateway, agents: list[Agent], sample: int) -> dict[str, Any]:
-    """Restore sampled sessions (offloaded ones first) and compare with a fresh prefill."""
-    offload = gw.residency.offload
-    ids = [a.session_id for a in agents if a.session_id and not a.problem]
-    offloaded = [s for s in ids if offload is not None and offload.copy_of(s) is not None]
-    chosen = (offloaded + [s for s in ids if s not in offloaded])[:sample]
-    exact = 0
-    for sid in chosen:
-        live = gw.sessions.get(sid)
-        assert live is not None
-        with live.lock:
-            gw.residency.admit(live)
-            tokens = live.cache.tokens
-            same = not tokens or gw.compute(gw.p.kernel.prefill, tokens).digest() == live.cache.digest()
-            gw.residency.settle(live)
-        exact += same
-    return {"checked": len(chosen), "offloaded_checked": len([s for s in chosen if s in offloaded]),
-            "exact": exact}
-
-
-def restore_vs_rebuild(gw: Gateway, tokens: int, reps: int) -> dict[str, Any]:
-    """One `tokens`-token session: offload + verified restore against a rebuild (the prefill the
-    pipeline runs for a dropped session), median of `reps`, on the gateway's own kernel."""
-    kernel = gw.p.kernel
-    record = gw.p.ledger.create_session("ses_membench_long", "membench", None)
-    live = gw.sessions.resident(record)
-    ids = [(i * 7919) % (kernel.model.config.vocab_size - 10) + 5 for i in range(tokens)]
-    restore_s, rebuild_s, exact = [], [], True
-    with live.lock:
-        for _ in range(reps):
-            started = time.perf_counter()
-            rebuilt = gw.compute(kernel.prefill, ids)
-            rebuild_s.append(time.perf_counter() - started)
-            live.cache.wipe()
-            live.cache = rebuilt
-            live.ledger_mark = "bench"
-            digest = rebuilt.digest()
-            assert gw.residency.offload is not None
-            gw.residency.offload.store(record.id, live.cache, "bench")
-            gw.residency.drop(live)
-            copy = gw.residency.offload.copy_of(record.id)
-            assert copy is not None
-            started = time.perf_counter()
-            restored = gw.residency.offload.load(copy, kernel)
-            restore_s.append(time.perf_counter() - started)
-            exact &= restored.digest() == digest
-            gw.residency.offload.discard(record.id)
-            live.cache = restored
-        gw.residency.release(live)
-    rebuild, restore = statistics.median(rebuild_s), statistics.median(restore_s)
-    return {"tokens": tokens, "reps": reps, "rebuild_s": round(rebuild, 4), "restore_s": round(restore, 4),
-            "speedup": round(rebuild / restore, 2) if restore else None, "exact": exact}
-
-
-def run_memory_bench(settings: Settings, *, sessions: int = 200, turns: int = 4, rows: int = 12,
-                     max_tokens: int = 4, concurrency: int = 8, budget_share: float = 0.1,
-                     retries: int = 20, sample: int = 16, long_tokens: int = 2000, reps: int = 3) -> dict[str, Any]:
+def run_memory_bench(settings: Settings, *, sessions: int = 200, turns: int = 3, rows: int = 4,
+                     max_tokens: int = 2, concurrency: int = 8, budget_share: float = 0.1,
+                     retries: int = 60, sample: int = 16, long_tokens: int = 2000, reps: int = 3) -> dict[str, Any]:
     from .demo import local_gateway
 
     with local_gateway(settings, port=settings.port) as lg:  # LETHE_PORT: the bench listens there
@@ -193,34 +276,46 @@ def run_memory_bench(settings: Settings, *, sessions: int = 200, turns: int = 4,
         budget = max(int(need * budget_share), 3 * per_session)
         gw.residency.budget = budget
         gw.residency.peak = 0
+        assert gw.residency.offload is not None
+        gw.residency.offload.max_bytes = max(gw.residency.offload.max_bytes, 2 * need)  # every copy fits
         baseline = rss_bytes()
+        load_before = os.getloadavg()
         log.info("membench.start", sessions=sessions, turns=turns, per_session=per_session, budget=budget)
+        agents = [Agent(n) for n in range(sessions)]
         started = time.perf_counter()
-        with RssSampler() as rss, ThreadPoolExecutor(concurrency) as pool:
-            agents = list(pool.map(lambda n: _run_agent(lg.base, lg.key, Agent(n), turns, rows, max_tokens, retries),
-                                   range(sessions)))
+        with Progress(gw, agents, sessions * turns) as progress:
+            _run_agents(lg.base, lg.key, agents, turns=turns, rows=rows, max_tokens=max_tokens, retries=retries,
+                        concurrency=concurrency, progress=progress)
         elapsed = time.perf_counter() - started
+        load_after = os.getloadavg()
         statuses = [s for a in agents for s in a.statuses]
         metrics = gw.p.metrics
         exactness = _exact_restores(gw, agents, sample)
-        long = restore_vs_rebuild(gw, long_tokens, reps)
+        long = restore_vs_rebuild(gw, lg.base, lg.key, long_tokens, reps)
+        overhead = overhead_bytes(concurrency)
+        allowed = baseline + budget + overhead
         return {
-            "sessions": sessions, "turns": turns, "concurrency": concurrency, "seconds": round(elapsed, 1),
+            "sessions": sessions, "turns": turns, "rows_per_tool_result": rows, "max_tokens": max_tokens,
+            "concurrency": concurrency, "seconds": round(elapsed, 1),
+            "loadavg_1_5_15": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in load_after]},
+            "cpus": os.cpu_count(),
             "overload": {"need_bytes": need, "budget_bytes": budget, "need_over_budget": round(need / budget, 2),
-                         "per_session_bytes": per_session},
+                         "per_session_bytes": per_session,
+                         "offered": f"{sessions} sessions x {turns} turns, {concurrency} at once, round by round"},
             "requests": len(statuses),
             "status": {str(code): statuses.count(code) for code in sorted(set(statuses))},
             "non_200_other_than_503_retry_after": sum(s not in (200, 503) for s in statuses)
             + sum(a.refused_503_without_retry_after for a in agents),
             "sessions_failed": [f"{a.n}: {a.problem}" for a in agents if a.problem][:10],
             "ledgers_intact": sum(1 for a in agents if not a.problem),
-            "rss": {"baseline_bytes": baseline, "peak_bytes": rss.peak, "budget_bytes": budget,
-                    "peak_over_baseline_bytes": rss.peak - baseline,
-                    "peak_over_baseline_plus_budget_bytes": rss.peak - baseline - budget,
-                    "accounted_peak_bytes": gw.residency.peak},
-            "kv": {"evictions": {to: metrics.kv_evictions.labels(to)._value.get() for to in ("offloaded", "dropped")},
-                   "offloads": metrics.kv_offloads._value.get(),
-                   "restores": {r: metrics.kv_restores.labels(r)._value.get() for r in ("hit", "rebuilt")}},
+            "rss": {"baseline_bytes": baseline, "peak_bytes": progress.peak, "budget_bytes": budget,
+                    "overhead_bytes": overhead, "allowed_bytes": allowed,
+                    "within_budget_plus_overhead": progress.peak <= allowed,
+                    "peak_over_baseline_plus_budget_bytes": progress.peak - baseline - budget,
+                    "accounted_kv_peak_bytes": gw.residency.peak},
+            "kv": {"evictions": {to: _count(metrics.kv_evictions, to) for to in ("offloaded", "dropped")},
+                   "offloads": _count(metrics.kv_offloads),
+                   "restores": {r: _count(metrics.kv_restores, r) for r in ("hit", "rebuilt")}},
             "restores_exact": exactness,
             "restore_vs_rebuild": long,
         }

@@ -3,36 +3,46 @@
 On CPU the tier is a directory (`$LETHE_DATA_DIR/kv-offload/`); when the kernel runs on CUDA it
 is host memory (the device's memory is what the budget protects, and the host is the next tier).
 Both hold the same encoding: a JSON header (tokens, shapes, the cache digest at eviction, the
-ledger mark, the payload's sha256) and the raw rows of K, V and pre-RoPE K, then the logits.
+ledger mark), then the raw rows of rotated K, V and pre-RoPE K, one plane of one layer after the
+other, then the logits.
 
-Why every copy is checked twice on the way back: the payload's sha256 catches a torn or corrupted
-copy before a single tensor is built, and the restored cache's `digest()` must equal the digest
-recorded at eviction, so nothing the kernel would not have computed ever re-enters a cache.
+A copy is streamed both ways, one plane of one layer at a time (1/90 of a SmolLM2 cache): writing
+an evicted session never builds a second whole copy of it in memory, nor does restoring one, so
+what an offload costs beyond the KV budget is one plane, not the largest session (red team: RSS
+grew far past the budget while copies were encoded whole).
+
+Why every copy is checked twice on the way back: the sha256 of the whole copy (header and token ids
+included) is recorded in memory at eviction and recomputed while it is read back; the restored
+cache is used only if that matches and its `digest()` equals the digest recorded at eviction, so
+nothing the kernel would not have computed ever re-enters a cache. A copy that fails either check
+has its partly filled buffer wiped.
 
 Erasure: a copy is deleted by overwriting it with zeros, fsync, then unlink (and fsync of the
-directory); in memory the buffer is zeroed before it is dropped. On a copy-on-write or
-wear-levelling device an overwrite does not reach every physical block (the same caveat as the
-ledger's SQLite secure_delete); encrypt the volume if that matters.
+directory); in memory the buffer is zeroed before it is dropped, as is every transient plane. On a
+copy-on-write or wear-levelling device an overwrite does not reach every physical block (the same
+caveat as the ledger's SQLite secure_delete); encrypt the volume if that matters.
 """
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import secrets
 import threading
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import BinaryIO, Protocol
 
 import structlog
 import torch
 
-from kvkernel import Kernel, KVCache
+from kvkernel import Kernel, KernelError, KVCache
 
 log = structlog.get_logger(__name__)
 
-MAGIC = b"LETHEKV1"
+MAGIC = b"LETHEKV2"
 SUFFIX = ".kv"
 
 
@@ -50,76 +60,119 @@ class OffloadCopy:
 
 
 class Tier(Protocol):
-    """A bounded store of encoded copies; `put` may refuse (None) when the copy cannot fit."""
+    """A store of encoded copies; `put` may refuse (None) when the copy cannot be written."""
 
     name: str
 
-    def put(self, session_id: str, data: bytearray) -> str | None: ...
+    def put(self, session_id: str, size: int, chunks: Iterable[memoryview]) -> str | None: ...
 
-    def get(self, key: str) -> bytearray | None: ...
+    def open(self, key: str) -> BinaryIO | None: ...
 
     def erase(self, key: str) -> None: ...
 
     def keys(self) -> list[str]: ...
 
+    def sweep(self) -> int: ...
 
-def encode(cache: KVCache, session_id: str, ledger_mark: str) -> tuple[bytearray, dict[str, object]]:
-    """The copy's bytes and its header; rows beyond the length (always zero) are not stored.
 
-    A bytearray, so that the caller can zero it once it is stored (`scrub`)."""
-    tokens, rows, logits = cache.export_rows()
-    parts = [rows] + ([logits] if logits is not None else [])
-    payload = bytearray(sum(t.numel() * t.element_size() for t in parts))
-    at = 0
-    for t in parts:
-        host = t.contiguous().cpu()  # a copy when the kernel runs on CUDA
-        flat = host.view(torch.uint8).reshape(-1)
-        payload[at:at + flat.numel()] = flat.numpy().data
-        at += flat.numel()
-        host.zero_()
-        t.zero_()
-    header = {"session": session_id, "tokens": tokens, "shape": list(rows.shape), "dtype": str(rows.dtype),
-              "digest": cache.digest(), "ledger_mark": ledger_mark,
-              "payload_sha256": hashlib.sha256(payload).hexdigest(), "logits": logits is not None}
+def encoded(cache: KVCache, session_id: str, ledger_mark: str) -> tuple[int, str, Iterator[memoryview]]:
+    """The copy's size, the cache's digest, and its bytes as chunks: the header, the logits, then
+    each plane of each layer (a host copy, zeroed with the device copy once the consumer has moved
+    on). Rows beyond the length (always zero) are not stored."""
+    digest = cache.digest()
+    logits = cache.logits  # a copy
+    header = {"session": session_id, "tokens": cache.tokens, "digest": digest, "ledger_mark": ledger_mark,
+              "logits": logits is not None}
     head = json.dumps(header, separators=(",", ":")).encode()
-    data = bytearray(MAGIC + len(head).to_bytes(8, "big") + head)
-    data += payload
-    scrub(payload)
-    return data, header
+    size = 16 + len(head) + (logits.numel() * 4 if logits is not None else 0) + \
+        cache.memory().bytes_per_token * len(cache)
+
+    def chunks() -> Iterator[memoryview]:
+        yield memoryview(MAGIC + len(head).to_bytes(8, "big") + head)
+        for part in [*([logits] if logits is not None else []), *cache.export_planes()]:
+            host = part.cpu()  # a copy when the kernel runs on CUDA
+            try:
+                yield memoryview(host.view(torch.uint8).numpy()).cast("B")
+            finally:
+                host.zero_()
+                part.zero_()
+    return size, digest, chunks()
 
 
-def decode(kernel: Kernel, data: bytearray, expected_digest: str) -> KVCache:
-    """The cache a copy holds, or ValueError naming what is wrong with it (torn, corrupted, another
-    session's, not what was evicted)."""
-    if len(data) < 16 or not data.startswith(MAGIC):
-        raise ValueError("not a Lethe KV copy (bad magic or truncated header)")
-    size = int.from_bytes(data[8:16], "big")
+class _Reader:
+    """Reads a copy in order, hashing every byte; `exact` reads fail on a short copy."""
+
+    def __init__(self, source: BinaryIO) -> None:
+        self._source = source
+        self.sha256 = hashlib.sha256()
+
+    def exact(self, buffer: bytearray | memoryview) -> None:
+        view = memoryview(buffer).cast("B")
+        got = 0
+        while got < len(view):
+            n = self._source.readinto(view[got:])
+            if not n:
+                raise ValueError("the copy is truncated")
+            got += n
+        self.sha256.update(view)
+
+    def at_end(self) -> bool:
+        return not self._source.read(1)
+
+
+def decoded(kernel: Kernel, source: BinaryIO, copy: OffloadCopy) -> KVCache:
+    """The cache a copy holds, read one plane at a time into the new buffer, or ValueError naming
+    what is wrong (torn, corrupted, another session's, not what was evicted); a refused cache is
+    wiped before the error."""
+    reader = _Reader(source)
+    lead = bytearray(16)
+    reader.exact(lead)
+    if not lead.startswith(MAGIC):
+        raise ValueError("not a Lethe KV copy (bad magic)")
+    head = bytearray(int.from_bytes(lead[8:16], "big"))
+    if len(head) > copy.nbytes:
+        raise ValueError("header larger than the copy")
+    reader.exact(head)
     try:
-        header = json.loads(bytes(data[16:16 + size]))
-        shape, tokens, has_logits = tuple(header["shape"]), header["tokens"], header["logits"]
+        header = json.loads(bytes(head))
+        tokens, has_logits = list(header["tokens"]), bool(header["logits"])
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"header unreadable: {exc}") from exc
-    payload = memoryview(data)[16 + size:]
-    if hashlib.sha256(payload).hexdigest() != header.get("payload_sha256"):
-        raise ValueError("payload sha256 mismatch (truncated or corrupted)")
+    shape = kernel.transformer.shape
     dtype = kernel.model.dtype
-    count = 1
-    for dim in shape:
-        count *= dim
-    size_rows = count * torch.tensor([], dtype=dtype).element_size()
+    plane_bytes = shape.kv_heads * len(tokens) * shape.head_dim * torch.tensor([], dtype=dtype).element_size()
+    logits_bytes = shape.vocab * 4 if has_logits else 0
+    if len(tokens) != copy.tokens or 16 + len(head) + logits_bytes + 3 * shape.layers * plane_bytes != copy.nbytes:
+        raise ValueError("the copy's header does not describe the copy recorded at eviction")  # before any allocation
+    logits, plane = bytearray(logits_bytes), bytearray(plane_bytes)
+
+    def planes() -> Iterator[torch.Tensor]:
+        for _ in range(3 * shape.layers):
+            reader.exact(plane)
+            yield torch.frombuffer(plane, dtype=dtype).view(shape.kv_heads, len(tokens), shape.head_dim) \
+                if plane else torch.zeros(shape.kv_heads, 0, shape.head_dim, dtype=dtype)
     try:
-        rows = torch.frombuffer(payload[:size_rows], dtype=dtype).reshape(shape) if count else \
-            torch.zeros(shape, dtype=dtype)
-        logits = torch.frombuffer(payload[size_rows:], dtype=torch.float32) if has_logits else None
-        cache = KVCache.from_rows(kernel, tokens, rows, logits)
-    except (RuntimeError, ValueError) as exc:
+        reader.exact(logits)
+        cache = KVCache.from_planes(kernel, tokens, planes(),
+                                    torch.frombuffer(logits, dtype=torch.float32) if logits else None)
+    except KernelError as exc:
         raise ValueError(f"rows do not fit this kernel: {exc}") from exc
     finally:
-        del payload
-    if cache.digest() != expected_digest or header.get("digest") != expected_digest:
+        scrub(plane)
+        scrub(logits)
+    if not reader.at_end() or reader.sha256.hexdigest() != copy.sha256:  # header (token ids) included
+        cache.wipe()
+        raise ValueError("the copy's bytes differ from those written at eviction (sha256)")
+    if cache.digest() != copy.digest or header.get("digest") != copy.digest:
         cache.wipe()
         raise ValueError("restored digest differs from the digest recorded at eviction")
     return cache
+
+
+def _hashed(chunks: Iterable[memoryview], sha: "hashlib._Hash") -> Iterator[memoryview]:
+    for chunk in chunks:
+        sha.update(chunk)
+        yield chunk
 
 
 def scrub(buffer: bytearray) -> None:
@@ -139,13 +192,14 @@ class DiskTier:
         self.dir = directory
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
 
-    def put(self, session_id: str, data: bytearray) -> str | None:
+    def put(self, session_id: str, size: int, chunks: Iterable[memoryview]) -> str | None:
         key = f"{hashlib.sha256(session_id.encode()).hexdigest()[:32]}{SUFFIX}"
         tmp = self.dir / f".{key}.{secrets.token_hex(6)}.tmp"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "wb") as f:
-                f.write(data)
+                for chunk in chunks:
+                    f.write(chunk)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.dir / key)
@@ -156,13 +210,9 @@ class DiskTier:
             return None
         return key
 
-    def get(self, key: str) -> bytearray | None:
+    def open(self, key: str) -> BinaryIO | None:
         try:
-            path = self.dir / key
-            data = bytearray(path.stat().st_size)
-            with open(path, "rb") as f:
-                f.readinto(data)
-            return data
+            return open(self.dir / key, "rb")  # noqa: SIM115 (the caller closes it)
         except OSError:
             return None
 
@@ -202,6 +252,27 @@ class DiskTier:
             os.close(fd)
 
 
+class _View(io.RawIOBase):
+    """A reader over a held copy's own buffer (io.BytesIO would copy it whole first)."""
+
+    def __init__(self, data: bytearray) -> None:
+        self._view = memoryview(data)
+        self._at = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: memoryview) -> int:  # type: ignore[override]
+        n = min(len(buffer), len(self._view) - self._at)
+        buffer[:n] = self._view[self._at:self._at + n]
+        self._at += n
+        return n
+
+    def close(self) -> None:
+        self._view.release()
+        super().close()
+
+
 class HostTier:
     """Copies in host memory, for a kernel on CUDA; an erased copy's buffer is zeroed first."""
 
@@ -211,16 +282,21 @@ class HostTier:
         self._copies: dict[str, bytearray] = {}
         self._lock = threading.Lock()
 
-    def put(self, session_id: str, data: bytearray) -> str | None:
+    def put(self, session_id: str, size: int, chunks: Iterable[memoryview]) -> str | None:
         key = hashlib.sha256(session_id.encode()).hexdigest()[:32]
+        held = bytearray(size)
+        at = 0
+        for chunk in chunks:
+            held[at:at + len(chunk)] = chunk
+            at += len(chunk)
         with self._lock:
-            self._copies[key] = bytearray(data)
+            self._copies[key] = held
         return key
 
-    def get(self, key: str) -> bytearray | None:
+    def open(self, key: str) -> BinaryIO | None:
         with self._lock:
             held = self._copies.get(key)
-            return None if held is None else bytearray(held)
+        return None if held is None else _View(held)  # type: ignore[return-value]
 
     def erase(self, key: str) -> None:
         with self._lock:
@@ -246,6 +322,7 @@ class Offload:
         self.tier = tier
         self.max_bytes = max_bytes
         self._copies: dict[str, OffloadCopy] = {}
+        self._pending: dict[str, int] = {}  # writes in flight: session -> bytes
         self._lock = threading.Lock()
         swept = tier.sweep()
         if swept:
@@ -261,45 +338,54 @@ class Offload:
             return self._copies.get(session_id)
 
     def store(self, session_id: str, cache: KVCache, ledger_mark: str) -> tuple[OffloadCopy | None, list[OffloadCopy]]:
-        """Write the session's copy; returns it (None: it cannot fit) and the older copies erased
-        to make room (oldest first: those sessions rebuild from the ledger)."""
-        data, header = encode(cache, session_id, ledger_mark)
-        try:
-            return self._store(session_id, data, header, ledger_mark, len(cache))
-        finally:
-            scrub(data)
+        """Write the session's copy, streamed; returns it (None: it cannot fit or be written) and
+        the older copies erased to make room (oldest first: those sessions rebuild from the ledger).
 
-    def _store(self, session_id: str, data: bytearray, header: dict[str, object], ledger_mark: str,
-               tokens: int) -> tuple[OffloadCopy | None, list[OffloadCopy]]:
+        The copy's bytes are counted against the tier's bound (`_pending`) before the write
+        starts, so concurrent evictions never write past it together."""
+        size, digest, chunks = encoded(cache, session_id, ledger_mark)
         dropped: list[OffloadCopy] = []
-        if len(data) > self.max_bytes:
+        if size > self.max_bytes:
+            chunks.close()
             return None, dropped
         with self._lock:
             old = self._copies.pop(session_id, None)
-            while self._copies and sum(c.nbytes for c in self._copies.values()) + len(data) > self.max_bytes:
+            while self._copies and self._held() + size > self.max_bytes:
                 dropped.append(self._copies.pop(next(iter(self._copies))))
+            room = self._held() + size <= self.max_bytes
+            if room:
+                self._pending[session_id] = size
         for gone in ([old] if old else []) + dropped:
             self.tier.erase(gone.key)
-        key = self.tier.put(session_id, data)
+        if not room:  # other writes in flight hold the rest of the bound
+            chunks.close()
+            return None, dropped
+        sha = hashlib.sha256()
+        try:
+            key = self.tier.put(session_id, size, _hashed(chunks, sha))
+        finally:
+            chunks.close()
+            with self._lock:
+                del self._pending[session_id]
         if key is None:
             return None, dropped
-        copy = OffloadCopy(session_id, key, len(data), hashlib.sha256(data).hexdigest(), str(header["digest"]),
-                           ledger_mark, tokens)
+        copy = OffloadCopy(session_id, key, size, sha.hexdigest(), digest, ledger_mark, len(cache))
         with self._lock:
             self._copies[session_id] = copy
         return copy, dropped
 
+    def _held(self) -> int:
+        """Bytes of the copies and of the writes in flight (the lock held)."""
+        return sum(c.nbytes for c in self._copies.values()) + sum(self._pending.values())
+
     def load(self, copy: OffloadCopy, kernel: Kernel) -> KVCache:
-        """The verified cache of a copy; ValueError if missing, torn, corrupted or not as evicted."""
-        data = self.tier.get(copy.key)
-        if data is None:
+        """The verified cache of a copy, streamed into its buffer; ValueError if missing, torn,
+        corrupted or not as evicted."""
+        source = self.tier.open(copy.key)
+        if source is None:
             raise ValueError("the copy is gone")
-        try:
-            if hashlib.sha256(data).hexdigest() != copy.sha256:  # header (token ids) included
-                raise ValueError("the copy's bytes differ from those written at eviction (sha256)")
-            return decode(kernel, data, copy.digest)
-        finally:
-            scrub(data)
+        with source:
+            return decoded(kernel, source, copy)
 
     def discard(self, session_id: str) -> OffloadCopy | None:
         """Erase the session's copy (zeros, fsync, unlink); returns what was erased."""

@@ -39,17 +39,12 @@ from .erasure import Erasure, actor_of, audit_body, segment_tokens, turn_intents
 from .metrics import Metrics
 from .residency import Residency
 from .screen import Screened, apply_redact, refuse_withheld
-from .sessions import Compute, LiveSession, PrefixCache
+from .sessions import Compute, LiveSession, PrefixCache, prefill_pieces
 from .tenants import Principal
 from .turn import Action, Staged, Turn
 
 log = structlog.get_logger(__name__)
 
-# Rows a prefill computes per hold of the model lock. Between pieces the turn checks whether its
-# client left (or the gateway is stopping), and other sessions' turns get the model: a long prompt
-# abandoned by its client stops within one piece instead of running to its end. Pieces give the
-# same bits as one call (the kernel's canonical forward is chunking-invariant).
-PREFILL_PIECE = 512
 # Tokens a stub or a redaction may take beyond its message's own (the KV reservation's margin):
 # a quarantine stub replaces a short tool result with a longer sentence.
 STUB_ROOM = 64
@@ -305,13 +300,13 @@ class Pipeline:
             self._extend(live, expected[common:], abandoned)
 
     def _extend(self, live: LiveSession, tokens: list[int], abandoned: Callable[[], bool]) -> None:
-        """Prefill `tokens` in pieces of PREFILL_PIECE rows, each under the model lock on its own."""
-        for at in range(0, len(tokens), PREFILL_PIECE):
+        """Prefill `tokens` in pieces (`prefill_pieces`), each under the model lock on its own."""
+        for piece in prefill_pieces(tokens):
             if abandoned():
                 raise GatewayError(503, "turn_cancelled", "the client went away or the gateway is stopping; "
                                    "this turn was rolled back and nothing of it was kept", retry_after=1)
-            self._compute(live.cache.extend, tokens[at:at + PREFILL_PIECE])
-            self.p.metrics.tokens.labels("prefill").inc(len(tokens[at:at + PREFILL_PIECE]))
+            self._compute(live.cache.extend, piece)
+            self.p.metrics.tokens.labels("prefill").inc(len(piece))
 
     def _admit(self, turn: Turn, principal: Principal, conv: Conversation, offset: int, tool_spec: bool) -> None:
         """Every new message is gated, outside the model lock. A principal's own message

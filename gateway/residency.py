@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from collections.abc import Iterable
 from datetime import datetime, timezone
 from typing import Any
 
@@ -62,6 +63,8 @@ class Residency:
         self._offload_min = offload_min_priority
         self._retry_after = retry_after_s
         self._lock = threading.RLock()
+        self._room = threading.Condition(self._lock)  # notified when an eviction ends or a turn settles
+        self._leaving: dict[str, int] = {}  # sessions being evicted now -> the bytes they still hold
         self.peak = 0  # the most bytes ever accounted at once (the bench reports it)
 
     # ---- accounting ----------------------------------------------------------------------------
@@ -72,7 +75,7 @@ class Residency:
         Under the budget's lock, so that the sum is one consistent moment (an eviction and the
         reservation it made room for are never both counted, nor both missed)."""
         with self._lock:
-            return sum(max(s.cache.nbytes, s.reserved) for s in self._sessions.all()) + self._sessions.prefixes.nbytes
+            return _claims(self._sessions.all()) + self._sessions.prefixes.nbytes
 
     def fits(self, nbytes: int) -> bool:
         """Whether `nbytes` more fit without evicting anyone (for what only saves compute)."""
@@ -130,8 +133,9 @@ class Residency:
         finally:
             live.reserved = 0
             live.last_used = time.monotonic()
-            with self._lock:
+            with self._room:
                 self._publish()
+                self._room.notify_all()
 
     def release(self, live: LiveSession) -> dict[str, Any]:
         """Session end (lock held): zero the resident cache, erase the offloaded copy, forget the
@@ -157,69 +161,105 @@ class Residency:
     # ---- eviction ------------------------------------------------------------------------------
 
     def _make_room(self, live: LiveSession, need: int) -> None:
-        """Evict idle sessions until `live` can hold `need` bytes, or refuse at once when even
-        evicting every idle session would not be enough: one caller's impossible request must not
-        flush every other tenant's sessions out of memory (red team)."""
-        with self._lock:
-            live.reserved = max(need, live.cache.nbytes)
-            try:
-                if self._pinned() > self.budget:
-                    raise self._exhausted(live, need)
-                while self.used() > self.budget:
-                    if not (self._evict_one(exclude=live) or self._sessions.prefixes.pop_oldest()):
-                        raise self._exhausted(live, need)
-            except BaseException:
-                live.reserved = 0
-                raise
-            finally:
+        """Evict idle sessions until `live` can hold `need` bytes, then claim them (`reserved`),
+        or refuse at once when even evicting every idle session would not be enough: one caller's
+        impossible request must not flush every other tenant's sessions out of memory (red team).
+
+        A claim is registered only once it fits, so `used()` never exceeds the budget. A victim's
+        copy is written outside the budget lock, its own lock held and its bytes still counted
+        until it is dropped (never claimed by another turn before the write is done), so turns
+        that fit are not stalled behind a write. A turn short of room waits for the evictions in
+        flight when they will free enough, and evicts more only when they will not."""
+        claim = max(need, live.cache.nbytes)
+        try:
+            while (picked := self._next_victim(live, need, claim)) is not None:
+                self._evict(*picked)
+        finally:
+            with self._lock:
                 self._publish()
 
-    def _pinned(self) -> int:
-        """Bytes no eviction can free: the sessions mid-turn (this one's reservation included)."""
-        return sum(max(s.cache.nbytes, s.reserved) for s in self._sessions.all() if s.reserved)
+    def _next_victim(self, live: LiveSession, need: int, claim: int) -> tuple[LiveSession, float] | None:
+        """None once `live`'s claim fits (it is then registered); else an idle session to evict,
+        its lock taken and its bytes marked as leaving. Raises the 503 when nothing more can go."""
+        with self._room:
+            while True:
+                others = [s for s in self._sessions.all() if s is not live]
+                pinned = _claims(s for s in others if s.reserved) + claim  # mid-turn: no eviction frees it
+                if pinned > self.budget:
+                    raise self._exhausted(live, need, pinned)
+                over = _claims(others) + self._sessions.prefixes.nbytes + claim - self.budget
+                if over <= 0:
+                    live.reserved = claim
+                    return None
+                if over <= sum(self._leaving.values()):
+                    self._room.wait(timeout=1.0)
+                    continue
+                picked = self._pick(exclude=live)
+                if picked is not None:
+                    self._leaving[picked[0].record.id] = picked[0].cache.nbytes
+                    return picked
+                if self._sessions.prefixes.pop_oldest():
+                    continue
+                if not self._leaving:
+                    raise self._exhausted(live, need, pinned)
+                self._room.wait(timeout=1.0)  # what is leaving may still be enough
 
-    def _exhausted(self, live: LiveSession, need: int) -> GatewayError:
+    def _exhausted(self, live: LiveSession, need: int, pinned: int) -> GatewayError:
         """The 503. Its message never says what other sessions hold: that is other tenants' business."""
         why = (f"this session alone needs {need} bytes of KV memory, more than the whole budget of {self.budget}"
                if need > self.budget else "the sessions now mid-turn leave too little room")
         log.warning("kv.budget_exhausted", session=live.record.id, need=need, budget=self.budget,
-                    pinned=self._pinned())
+                    pinned=pinned)
         return GatewayError(503, "kv_budget_exhausted",
                             f"KV memory budget exhausted: {why} (LETHE_KV_BUDGET_BYTES={self.budget}); retry "
                             "shortly, lower max_tokens, forget segments or raise the budget",
                             retry_after=self._retry_after)
 
-    def _evict_one(self, exclude: LiveSession) -> bool:
-        """Evict the first idle session in (priority, last used) order; False if none can go."""
+    def _pick(self, exclude: LiveSession) -> tuple[LiveSession, float] | None:
+        """The first idle session in (priority, last used) order whose lock is free, locked."""
         now_wall = time.time()
-        idle = [s for s in self._sessions.all() if s is not exclude and s.cache.nbytes and not s.reserved]
+        idle = [s for s in self._sessions.all() if s is not exclude and s.cache.nbytes and not s.reserved
+                and s.record.id not in self._leaving]
         idle.sort(key=lambda s: (s.priority.now(now_wall), s.last_used))
         for victim in idle:
             if not victim.lock.acquire(blocking=False):
                 continue  # mid-turn (or being erased): never touched
-            try:
-                if victim.reserved or not victim.cache.nbytes:
-                    continue
-                self._evict(victim, victim.priority.now(now_wall))
-                return True
-            finally:
-                victim.lock.release()
-        return False
+            if not victim.reserved and victim.cache.nbytes and self._sessions.registered(victim):
+                return victim, victim.priority.now(now_wall)
+            victim.lock.release()
+        return None
 
     def _evict(self, victim: LiveSession, priority: float) -> None:
+        """Offload or drop the victim (its lock held, taken by `_pick`), outside the budget lock."""
+        try:
+            where = "offloaded" if self._offload(victim, priority) else "dropped"
+            log.info("kv.evicted", session=victim.record.id, tokens=len(victim.cache), bytes=victim.cache.nbytes,
+                     priority=round(priority, 2), to=where)
+            self._metrics.kv_evictions.labels(where).inc()
+            self.drop(victim)
+            self._sessions.prune(victim)
+        finally:
+            with self._room:
+                self._leaving.pop(victim.record.id, None)
+                self._room.notify_all()
+            victim.lock.release()
+
+    def _offload(self, victim: LiveSession, priority: float) -> bool:
+        """Write the victim's copy if it is at or above the offload minimum; False: dropped."""
         minimum = self._offload_min if self._offload_min is not None else victim.priority.offload_min
-        where = "dropped"
-        if self.offload is not None and priority >= minimum and len(victim.cache) and victim.ledger_mark:
+        if self.offload is None or priority < minimum or not len(victim.cache) or not victim.ledger_mark:
+            return False
+        try:
             copy, lost = self.offload.store(victim.record.id, victim.cache, victim.ledger_mark)
-            for gone in lost:
-                log.info("kv.offload_dropped", session=gone.session_id, bytes=gone.nbytes)
-            if copy is not None:
-                where = "offloaded"
-                self._metrics.kv_offloads.inc()
-        log.info("kv.evicted", session=victim.record.id, tokens=len(victim.cache), bytes=victim.cache.nbytes,
-                 priority=round(priority, 2), to=where)
-        self._metrics.kv_evictions.labels(where).inc()
-        self.drop(victim)
+        except Exception as exc:  # a copy that cannot be written is a rebuild later, never a failed turn now
+            log.error("kv.offload_failed", session=victim.record.id, error=f"{type(exc).__name__}: {exc}")
+            return False
+        for gone in lost:
+            log.info("kv.offload_dropped", session=gone.session_id, bytes=gone.nbytes)
+        if copy is None:
+            return False
+        self._metrics.kv_offloads.inc()
+        return True
 
     def drop(self, live: LiveSession) -> None:
         """Zero the cache's memory and leave an empty one that holds nothing."""
@@ -231,24 +271,26 @@ class Residency:
     # ---- restore -------------------------------------------------------------------------------
 
     def _restore(self, live: LiveSession, copy: OffloadCopy, mark: str) -> str:
-        """Replace the (empty) cache by the verified copy; the copy is erased either way."""
+        """Replace the (empty) cache by the verified copy; the copy is erased once read (or found
+        stale). A restore that cannot get room raises the 503 and keeps the copy for the retry."""
         assert self.offload is not None
+        if copy.ledger_mark != mark:
+            log.warning("kv.restore_stale", session=live.record.id)
+            self.offload.discard(live.record.id)
+            self._metrics.kv_restores.labels("rebuilt").inc()
+            return "erased-stale"
+        self._make_room(live, live.cache.bytes_for(copy.tokens))
         started = time.perf_counter()
         result = "rebuilt"
         try:
-            if copy.ledger_mark != mark:
-                log.warning("kv.restore_stale", session=live.record.id)
-                return "erased-stale"
-            self._make_room(live, live.cache.bytes_for(copy.tokens))
-            try:
-                restored = self.offload.load(copy, self._kernel)
-            except ValueError as exc:
-                log.warning("kv.restore_refused", session=live.record.id, reason=str(exc))
-                return "erased-invalid"
+            restored = self.offload.load(copy, self._kernel)
             self.drop(live)
             live.cache = restored
             result = "hit"
             return "restored-erased"
+        except (ValueError, OSError) as exc:  # torn, corrupted or unreadable: rebuilt instead
+            log.warning("kv.restore_refused", session=live.record.id, reason=str(exc))
+            return "erased-invalid"
         finally:
             self.offload.discard(live.record.id)
             live.reserved = 0
@@ -271,6 +313,11 @@ class Residency:
             return Priority()
         return Priority([(p, d, _epoch(s.created_at), s.n_tokens) for (p, d), s in zip(answer.segments, held)],
                         answer.default, answer.offload_min)
+
+
+def _claims(sessions: Iterable[LiveSession]) -> int:
+    """What sessions count against the budget: each one's max(held, claimed for its turn)."""
+    return sum(max(s.cache.nbytes, s.reserved) for s in sessions)
 
 
 def _epoch(moment: datetime) -> float:

@@ -1,7 +1,8 @@
 """The gateway's core, as one object the HTTP layer calls: sessions, turns, erasure, retention.
 
 Threading: a turn runs in one worker thread from start to end (`run_turn`), holding its session's
-lock for exactly that synchronous block; kernel calls take the model lock one at a time. No lock
+lock for exactly that synchronous block; kernel calls take the model lock one at a time and run
+on the one model thread (`Compute`). No lock
 is held across an await or a yield to a client, and every lock wait has a timeout.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from kvkernel import GenerationConfig, KVCache
 from .chat import ChatMessage, Conversation, with_tools
 from .erasure import Erasure, actor_of
 from .errors import GatewayError, fails_as
-from .memstat import default_kv_budget, release_to_os
+from .memstat import default_kv_budget, trim, tune_allocator
 from .offload import DiskTier, HostTier, Offload
 from .pipeline import Components, Pipeline
 from .residency import Residency
@@ -38,7 +39,7 @@ def residency_for(parts: Components, sessions: Sessions) -> Residency:
     tier: DiskTier | HostTier | None = HostTier() if parts.model.device.type == "cuda" else \
         DiskTier(parts.offload_dir) if parts.offload_dir is not None else None
     offload = Offload(tier, offload_bytes) if tier is not None and offload_bytes > 0 else None
-    release_to_os()
+    tune_allocator()
     log.info("kv.budget", budget_bytes=budget, offload_bytes=offload_bytes if offload else 0,
              tier=tier.name if offload and tier else None)
     return Residency(kernel=parts.kernel, ledger=parts.ledger, policy=parts.policy, metrics=parts.metrics,
@@ -103,7 +104,7 @@ class Gateway:
         with self._running_changed:
             self._running += 1
         try:
-            with live.hold(self.p.lock_timeout_s):
+            with self.sessions.hold(live, self.p.lock_timeout_s) as live:
                 try:
                     self.residency.admit(live)
                     turn = Turn(live, before=live.cache.tokens,
@@ -128,7 +129,10 @@ class Gateway:
         finally:
             with self._running_changed:
                 self._running -= 1
+                idle = not self._running
                 self._running_changed.notify_all()
+            if idle:  # the last turn out hands the heaps' free pages back (a few ms; see memstat)
+                trim()
 
     def _record_tool_calls(self, session_id: str, channel: TurnChannel) -> None:
         """Record the calls the model made (id -> name) before the reply leaves: the results that
@@ -145,16 +149,15 @@ class Gateway:
             tokens = turn.live.cache.generate(cfg)
         try:
             while not (channel.cancelled() or self.stopping.is_set()):
-                with self.compute.lock, fails_as("kernel"):
-                    token = next(tokens, None)
+                with fails_as("kernel"):
+                    token = self.compute(next, tokens, None)
                 if token is None:
                     break
                 count += 1
                 if not channel.token(token):
                     break
         finally:
-            with self.compute.lock:
-                tokens.close()
+            self.compute(tokens.close)
         elapsed = time.perf_counter() - started
         self.p.metrics.tokens.labels("decode").inc(count)
         if count and elapsed > 0:
@@ -183,7 +186,7 @@ class Gateway:
     def inspect(self, principal: Principal, session_id: str) -> dict[str, Any]:
         """Token count, cache digest and KV memory of a session: what an auditor compares."""
         record = self.sessions.scoped(principal, session_id)
-        with self.sessions.resident(record).hold(self.p.lock_timeout_s) as live:
+        with self.sessions.hold(record, self.p.lock_timeout_s) as live:
             copy = self.residency.offloaded(live)
             if copy is not None:  # a read must not restore it and evict others: its digest at eviction
                 return {"session_id": record.id, "tenant": record.tenant, "tokens": copy.tokens, "resident": False,
@@ -208,7 +211,7 @@ class Gateway:
                 "action": "forget"})
         if not decision.allowed:
             raise GatewayError(403, "erasure_denied", "ending the session denied by policy: " + "; ".join(decision.reasons))
-        with self.sessions.resident(record).hold(self.p.lock_timeout_s) as live:
+        with self.sessions.hold(record, self.p.lock_timeout_s) as live:
             copies = self.residency.release(live)
         body = {"kind": "kv-release", "tenant": record.tenant, "session": record.id, "actor": actor_of(principal),
                 "copies": copies}

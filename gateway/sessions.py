@@ -9,7 +9,8 @@ import hashlib
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -56,16 +57,6 @@ class LiveSession:
     last_used: float = field(default_factory=time.monotonic)
     ledger_mark: str | None = None  # the ledger's view when the cache was last in step with it
     priority: Priority = field(default_factory=Priority)
-
-    @contextmanager
-    def hold(self, timeout_s: float) -> Iterator["LiveSession"]:
-        """The session's lock for one synchronous block (never across an await or a yield to a client)."""
-        if not self.lock.acquire(timeout=timeout_s):
-            raise busy(f"session {self.record.id}", timeout_s)
-        try:
-            yield self
-        finally:
-            self.lock.release()
 
 
 class PrefixCache:
@@ -217,27 +208,89 @@ class Sessions:
         with self._lock:
             return list(self._resident.values())
 
+    @contextmanager
+    def hold(self, session: LiveSession | SessionRecord, timeout_s: float) -> Iterator[LiveSession]:
+        """The session's lock, on the one object that stands for it when the lock is taken.
+
+        An idle session that holds nothing is forgotten here (`prune`), and an ended one removed,
+        by whoever holds its lock; a request that waited on the old object's lock then re-registers
+        it, or moves to the object created meanwhile, so two objects never serve one session."""
+        live = session if isinstance(session, LiveSession) else self.resident(session)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not live.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                raise busy(f"session {live.record.id}", timeout_s)
+            if self.adopt(live):
+                break
+            live.lock.release()
+            live = self.resident(live.record)
+        try:
+            yield live
+        finally:
+            self.prune(live)
+            live.lock.release()
+
     def adopt(self, live: LiveSession) -> bool:
-        """Register `live` again if its session was ended meanwhile; False when another object
-        now stands for the session (the caller must not use this one)."""
+        """Register `live` again if its session was pruned or ended meanwhile; False when another
+        object now stands for the session (the caller must not use this one)."""
         with self._lock:
             return self._resident.setdefault(live.record.id, live) is live
+
+    def registered(self, live: LiveSession) -> bool:
+        with self._lock:
+            return self._resident.get(live.record.id) is live
+
+    def prune(self, live: LiveSession) -> None:
+        """Forget a session that holds nothing here (its lock held by the caller): it costs no
+        memory until its next request, which rebuilds or restores it. Without this every session
+        ever served, and every refused first turn, kept an object for the life of the process."""
+        if len(live.cache) or live.cache.nbytes or live.reserved:
+            return
+        with self._lock:
+            if self._resident.get(live.record.id) is live:
+                del self._resident[live.record.id]
 
     def remove(self, session_id: str) -> None:
         with self._lock:
             self._resident.pop(session_id, None)
 
 
-class Compute:
-    """The model lock: one model serves every session, so kernel calls take turns.
+# Rows a prefill computes per hold of the model lock. Between pieces a turn checks whether its
+# client left (or the gateway is stopping), and other sessions' turns get the model: a long prompt
+# abandoned by its client stops within one piece instead of running to its end. The piece also
+# bounds a prefill's activations, memory outside the KV budget. Pieces give the same bits as one
+# call (the kernel's canonical forward is chunking-invariant).
+PREFILL_PIECE = 512
 
-    Reentrant, so that a tool result's whole admission can hold it while the kernel calls inside
-    take it again. Held only inside one synchronous call, never across a yield to a client.
+
+def prefill_pieces(tokens: Sequence[int]) -> Iterator[Sequence[int]]:
+    for at in range(0, len(tokens), PREFILL_PIECE):
+        yield tokens[at:at + PREFILL_PIECE]
+
+
+class Compute:
+    """The model lock and the model's thread: one model serves every session, so kernel calls take
+    turns, and every one of them runs on one thread.
+
+    Why one thread: MKL and OpenMP keep per-thread state (GEMM packing buffers, a thread team) for
+    each thread that ever ran a GEMM, about 23 MB a thread on SmolLM2's shapes (measured), and
+    ThreadPoolExecutor threads live for ever. With kernel calls made from each of the 32 turn
+    threads the process grew by ~0.7 GB outside the KV budget, flood after flood (red team); here
+    that state exists once.
+
+    The lock is reentrant, so that a tool result's whole admission can hold it while the kernel
+    calls inside take it again. Held only inside one synchronous call, never across a yield to a
+    client.
     """
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
+        self._local = threading.local()
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model",
+                                          initializer=lambda: setattr(self._local, "model", True))
 
     def __call__(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         with self.lock:
-            return fn(*args, **kwargs)
+            if getattr(self._local, "model", False):  # a kernel call made from a kernel call
+                return fn(*args, **kwargs)
+            return self._worker.submit(fn, *args, **kwargs).result()

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -257,28 +257,44 @@ class KVCache:
         self._kv = self._kv.new_zeros(*self._kv.shape[:3], 0, self._kv.shape[4])
         self._tokens, self._logits, self._staged = [], None, None
 
-    def export_rows(self) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
-        """Tokens, rows ``[:len]`` of every plane (``[3, layers, kv_heads, len, head_dim]``, a
-        copy) and the logits (a copy): everything :meth:`from_rows` needs to rebuild this cache."""
-        self._no_stage("export_rows")
-        return self.tokens, self._kv[:, :, :, : len(self)].clone(), self.logits
+    def export_planes(self) -> Iterator[torch.Tensor]:
+        """Rows ``[:len]`` of every plane (rotated K, V, raw K) of every layer, one at a time
+        (``[kv_heads, len, head_dim]``, a fresh copy each, plane-major): with the tokens and the
+        logits, everything :meth:`from_planes` needs. What an offload streams, so that no second
+        copy of the whole cache exists at once; the caller zeroes each copy when done."""
+        self._no_stage("export_planes")
+        n = len(self)
+        for plane in range(3):
+            for layer in range(self._kv.shape[1]):
+                yield self._kv[plane, layer, :, :n].clone(memory_format=torch.contiguous_format)
 
     @classmethod
-    def from_rows(cls, kernel: Kernel, tokens: Sequence[int], rows: torch.Tensor,
-                  logits: torch.Tensor | None) -> KVCache:
-        """The cache :meth:`export_rows` described; shapes are checked, bits are the caller's to
-        verify (compare :meth:`digest` with the one recorded at export)."""
+    def from_planes(cls, kernel: Kernel, tokens: Sequence[int], planes: Iterable[torch.Tensor],
+                    logits: torch.Tensor | None) -> KVCache:
+        """The cache :meth:`export_planes` described, fed one plane at a time in its order (a
+        restore reads each from its copy into the new buffer, never holding a second whole copy).
+        Shapes are checked, bits are the caller's to verify (compare :meth:`digest` with the one
+        recorded at export); on a mismatch the partly filled buffer is wiped before KernelError."""
         s = kernel.transformer.shape
         n = len(tokens)
-        want = (3, s.layers, s.kv_heads, n, s.head_dim)
-        if tuple(rows.shape) != want or rows.dtype != kernel.model.dtype:
-            raise KernelError(f"rows of shape {tuple(rows.shape)} {rows.dtype} do not fit this kernel "
-                              f"({want} {kernel.model.dtype})")
         if (logits is None) != (n == 0) or (logits is not None and tuple(logits.shape) != (s.vocab,)):
             raise KernelError("logits must be given exactly when there are tokens, shaped [vocab]")
         cache = cls(kernel, kernel.transformer.key_length(n) if n else 0)
-        cache._tokens = cache._check_tokens(tokens, extra=n)
-        cache._kv[:, :, :, :n] = rows.to(cache._kv.device)
+        try:
+            cache._tokens = cache._check_tokens(tokens, extra=n)
+            given = iter(planes)
+            for plane in range(3):
+                for layer in range(s.layers):
+                    rows = next(given, None)
+                    if rows is None or tuple(rows.shape) != (s.kv_heads, n, s.head_dim) or rows.dtype != kernel.model.dtype:
+                        raise KernelError(f"plane {plane} of layer {layer} does not fit this kernel: expected "
+                                          f"{(s.kv_heads, n, s.head_dim)} {kernel.model.dtype}")
+                    cache._kv[plane, layer, :, :n] = rows.to(cache._kv.device)
+            if next(given, None) is not None:
+                raise KernelError(f"more planes than 3 x {s.layers} layers")
+        except BaseException:
+            cache.wipe()
+            raise
         cache._logits = None if logits is None else logits.to(torch.float32).to(cache._kv.device).clone()
         return cache
 

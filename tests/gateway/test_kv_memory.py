@@ -117,7 +117,7 @@ def test_offloaded_session_restores_bit_exact_and_metrics_move(kv):
     sid = start(http, "alpha")
     reference = gw.cache(sid).clone()
     evict(http, gw, sid, "evict")
-    assert len(gw.cache(sid)) == 0 and gw.cache(sid).nbytes == 0
+    assert gw.cache(sid) is None  # nothing of it in memory, not even the session's object
     assert metric(http, "lethe_kv_offloads_total") >= 1 and metric(http, "lethe_kv_offloaded_bytes") > 0
     assert any(directory.iterdir())
     response = chat(http, tool_messages("alpha") + [{"role": "user", "content": "and now?"}], session=sid)
@@ -144,8 +144,9 @@ def test_a_turn_that_cannot_fit_gets_503_with_retry_after_and_nothing_is_admitte
         assert response.status_code == 503 and response.headers["retry-after"] == "2"
         error = response.json()["error"]
         assert error["code"] == "kv_budget_exhausted" and "LETHE_KV_BUDGET_BYTES" in error["message"]
-        refused = [s for s in gw.sessions.all() if not gw.p.ledger.segments(s.record.id)]
-        assert len(refused) == 1 and refused[0].cache.nbytes == 0  # nothing of the turn was admitted
+        # nothing of the turn was admitted, and the refused session left nothing in memory, not
+        # even its object (one was kept for every refused first turn, for the process's life)
+        assert [s for s in gw.sessions.all() if not gw.p.ledger.segments(s.record.id)] == []
         # evicting could not have made room, so no one was evicted (red team: one impossible
         # request flushed every tenant's sessions)
         assert {s.record.id: len(s.cache) for s in gw.sessions.all() if len(s.cache)} == held
@@ -185,6 +186,41 @@ def test_retention_expiry_of_an_offloaded_session_leaves_no_span_bytes(kv):
     assert records[0]["body"]["copies"]["offload"]["action"] == "restored-erased"
 
 
+def test_forget_of_a_dropped_session_rebuilds_it_from_the_ledger_and_witnesses_the_forget(kv, monkeypatch):
+    """A session evicted below the offload minimum has no KV copy anywhere; an API forget on it
+    rebuilds the cache from the ledger (within the budget) and forgets there, so its record carries
+    a real never-saw witness (max|delta| = 0 for K, V and logits), never a claim about a copy
+    that does not exist (it answered 409 session_not_resident before)."""
+    http, gw, directory = kv
+    sid = start(http, "dropped")
+    span = tool_segment(gw, sid)
+    wanted = needles(gw, sid, span)
+    monkeypatch.setattr(gw.residency, "_offload_min", 101)  # every eviction drops
+    evict_dropped = gw.p.metrics.kv_evictions.labels("dropped")._value.get()
+    for i in range(6):
+        start(http, f"drop{i}")
+        if gw.cache(sid) is None:
+            break
+    assert gw.cache(sid) is None and gw.residency.offload.copy_of(sid) is None
+    assert gw.p.metrics.kv_evictions.labels("dropped")._value.get() > evict_dropped
+    seg_id = [s for s in gw.p.ledger.segments(sid) if s.role == "tool"][-1].id
+    response = http.post(f"/v1/sessions/{sid}/forget", json={"segment_id": seg_id})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    witness = body["witness"]
+    assert witness["equal"] is True
+    assert (witness["max_abs_dk"], witness["max_abs_dv"], witness["max_abs_dlogits"]) == (0.0, 0.0, 0.0)
+    record = body["records"][0]["body"]
+    assert record["kind"] == "forget" and record["witness"] == witness
+    resident = record["copies"]["resident"]
+    assert resident["action"] == "forgotten-exact" and resident["rebuilt_from_ledger"] == span[1]
+    assert resident["tokens_after"] == span[0] and "offload" not in record["copies"]
+    assert [s.state.value for s in gw.p.ledger.segments(sid) if s.id == seg_id] == ["forgotten"]
+    assert len(gw.cache(sid)) == span[0]
+    gw.p.ledger.check_invariants(sid, cache_len=len(gw.cache(sid)))
+    assert found(directory, wanted) == []
+
+
 def test_ending_an_offloaded_session_erases_its_copy(kv):
     http, gw, directory = kv
     sid = start(http, "delta")
@@ -212,6 +248,6 @@ def test_reading_an_offloaded_session_neither_restores_it_nor_evicts_another(kv)
     before = sum(evictions.labels(to)._value.get() for to in ("offloaded", "dropped"))
     body = http.get(f"/v1/sessions/{sid}").json()
     assert (body["resident"], body["offloaded"], body["cache_digest"]) == (False, True, digest)
-    assert gw.residency.offload.copy_of(sid) is not None and len(gw.cache(sid)) == 0
+    assert gw.residency.offload.copy_of(sid) is not None and gw.cache(sid) is None
     assert metric(http, "lethe_kv_restore_seconds_count") == restores
     assert sum(evictions.labels(to)._value.get() for to in ("offloaded", "dropped")) == before

@@ -243,3 +243,61 @@ def test_accounted_bytes_never_exceed_the_budget_under_concurrent_turns(tiny_ker
     assert max(peaks) <= w.residency.budget and w.residency.peak <= w.residency.budget
     assert w.metrics.kv_evictions.labels("offloaded")._value.get() > 0
     assert w.metrics.kv_resident_bytes._value.get() <= w.residency.budget
+
+
+class GatedDisk(DiskTier):
+    """The real disk tier, whose writes wait at a gate: an eviction's write held in flight."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory)
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def put(self, session_id, size, chunks):
+        self.entered.set()
+        assert self.gate.wait(60)
+        return super().put(session_id, size, chunks)
+
+
+def test_an_eviction_writes_outside_the_budget_lock_and_its_bytes_are_never_claimed_twice(tiny_kernel, tmp_path):
+    one = per_session(tiny_kernel, 100)
+    w = World(tiny_kernel, tmp_path, budget=2 * one + one // 2)
+    tier = GatedDisk(tmp_path / "gated")
+    w.residency.offload = Offload(tier, 1 << 30)
+    first = w.session([("user", None, LIVE, 100)])  # least recently used: the first victim
+    second = w.session([("user", None, LIVE, 100)])
+    reference = first.cache.digest()
+    newcomers = [w.sessions.resident(w.ledger.create_session(f"ses_new{i}", "acme", "alice")) for i in range(2)]
+    claimed: list[int] = []
+
+    def claim(live: LiveSession) -> None:
+        with live.lock:
+            w.residency.reserve(live, 100)
+            claimed.append(w.residency.used())
+
+    writer = threading.Thread(target=claim, args=(newcomers[0],))
+    writer.start()
+    assert tier.entered.wait(60)  # the first session's copy is being written, the gate shut
+    try:
+        # the budget lock is free: accounting answers, and a turn that fits runs to its end
+        assert w.residency.used() == first.cache.nbytes + second.cache.nbytes <= w.residency.budget
+        w.turn(second)
+        # a second newcomer may not claim the bytes still being written: it waits for that write
+        waiter = threading.Thread(target=claim, args=(newcomers[1],))
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive() and newcomers[1].reserved == 0 and len(first.cache) == 100
+    finally:
+        tier.gate.set()
+    writer.join(60)
+    waiter.join(60)
+    assert [live.reserved > 0 for live in newcomers] == [True, True]
+    assert max(claimed) <= w.residency.budget and w.residency.peak <= w.residency.budget
+    assert w.residency.offload.copy_of(first.record.id) is not None  # both idle sessions went to disk
+    assert w.residency.offload.copy_of(second.record.id) is not None
+    for live in newcomers:  # their turns end (holding nothing)
+        with live.lock:
+            w.residency.settle(live)
+    with first.lock:
+        assert w.residency.admit(first)["offload"]["action"] == "restored-erased"
+    assert first.cache.digest() == reference

@@ -23,16 +23,23 @@ def test_reserved_and_trimmed_buffers_compute_the_same_bits(tiny_kernel):
     assert exact.nbytes <= exact.bytes_for(len(exact))
 
 
-def test_rows_round_trip_is_bit_exact_and_shape_checked(tiny_kernel):
+def test_planes_round_trip_is_bit_exact_and_shape_checked(tiny_kernel):
     cache = tiny_kernel.prefill([(i * 7) % 200 + 3 for i in range(150)])
-    tokens, rows, logits = cache.export_rows()
-    back = KVCache.from_rows(tiny_kernel, tokens, rows, logits)
+    planes = list(cache.export_planes())
+    assert len(planes) == 3 * tiny_kernel.transformer.shape.layers
+    back = KVCache.from_planes(tiny_kernel, cache.tokens, planes, cache.logits)
     assert back.digest() == cache.digest() and back.tokens == cache.tokens
-    for layer in range(rows.shape[1]):
+    for layer in range(tiny_kernel.transformer.shape.layers):
         for got, want in zip(back.layer_kv(layer), cache.layer_kv(layer)):
             assert float((got - want).abs().max()) == 0.0
-    with pytest.raises(KernelError, match="do not fit"):
-        KVCache.from_rows(tiny_kernel, tokens[:-1], rows, logits)
+    planes[0].zero_()  # each plane is a copy: zeroing it (as an offload does) leaves the cache as it was
+    assert cache.digest() == back.digest()
+    with pytest.raises(KernelError, match="does not fit"):
+        KVCache.from_planes(tiny_kernel, cache.tokens[:-1], planes, cache.logits)
+    with pytest.raises(KernelError, match="more planes"):
+        KVCache.from_planes(tiny_kernel, cache.tokens, planes + planes[:1], cache.logits)
+    with pytest.raises(KernelError, match="does not fit"):
+        KVCache.from_planes(tiny_kernel, cache.tokens, planes[:-1], cache.logits)
 
 
 def test_wipe_zeroes_what_the_cache_held_and_holds_nothing(tiny_kernel):
