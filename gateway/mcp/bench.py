@@ -157,7 +157,7 @@ def _guard_cpu_ms(workdir: Path, samples: int = 100) -> dict[str, float]:
     from policies import PolicyEngine
 
     from ..tenants import Principal
-    from .guard import Call, Guard
+    from .guard import Call, Document, Guard
 
     url = f"sqlite:///{workdir / 'guard.db'}"
     guard = Guard(Gate(), PolicyEngine(), Ledger(url, check_invariants=False),
@@ -167,7 +167,7 @@ def _guard_cpu_ms(workdir: Path, samples: int = 100) -> dict[str, float]:
     for n in range(samples + 10):
         call = Call(Principal("bench", "bench"), None, "up", "up__page")
         started = time.process_time()
-        _, record = guard.screen_arguments(call, ARGS)
+        _, record = guard.screen_arguments(call, Document.of_arguments(ARGS))
         guard.screen_result(call, result, record)
         if n >= 10:  # warm: the policy engine's per-thread compile, SQLite's caches
             cpu.append((time.process_time() - started - call.spent["gate"]) * 1e3)

@@ -15,6 +15,8 @@ from .proxy import Proxy
 from .settings import McpSettings
 from .transport import http_app, serve_stdio
 
+KEY_CACHE_S = 10.0  # how long a found API key is remembered: a key deleted from the database works this much longer
+
 
 def build(settings: Settings, upstream_flags: list[str] | None = None) -> tuple[Proxy, TenantStore]:
     """The proxy over this deployment's gate, policy, ledger and audit log (the chat endpoint's own stores)."""
@@ -28,7 +30,7 @@ def build(settings: Settings, upstream_flags: list[str] | None = None) -> tuple[
                           retries=s.opa_retries)
     mcp = McpSettings.from_settings(s, upstream_flags)
     guard = Guard(Gate(gitleaks_config=s.gitleaks_config), policy, ledger, audit, mcp.max_result_bytes)
-    return Proxy(mcp, guard, ledger), TenantStore.from_url(s.db_url, s.admin_key)
+    return Proxy(mcp, guard, ledger), TenantStore.from_url(s.db_url, s.admin_key, cache_s=KEY_CACHE_S)
 
 
 def run_stdio(settings: Settings, flags: list[str], tenant: str, user: str | None, session: str | None) -> None:
