@@ -43,7 +43,7 @@ from policies import Decision, PolicyEngine, tool_identity
 
 from ..screen import Screened, apply_redact, gate_input
 from ..tenants import Principal
-from .recorder import Recorder
+from .recorder import Recorder, Writer
 from .settings import PROMPT_GET, RESOURCE_READ, SEPARATOR
 
 log = structlog.get_logger(__name__)
@@ -100,8 +100,9 @@ class Pending:
 
     def failed(self, exc: BaseException) -> ScreeningError:
         """The error the agent gets when this decision's records could not be committed."""
-        log.error("mcp.record_failed", **self.about, crossing=self.crossing_id, error=type(exc).__name__)
-        return ScreeningError(f"the decision could not be recorded ({type(exc).__name__}); "
+        kind = getattr(exc, "kind", type(exc).__name__)  # a WriterError names the error in the writer process
+        log.error("mcp.record_failed", **self.about, crossing=self.crossing_id, error=kind)
+        return ScreeningError(f"the decision could not be recorded ({kind}); "
                               "nothing was passed on; check the ledger and audit databases")
 
 
@@ -261,9 +262,9 @@ class Guard:
     `settle` and `screen_definition` block, on a durable commit, and never run on the loop."""
 
     def __init__(self, gate: Gate, policy: PolicyEngine, ledger: Ledger, audit: AuditLog,
-                 max_result_bytes: int) -> None:
+                 max_result_bytes: int, writer: Writer | None = None) -> None:
         self.gate, self.policy = gate, policy
-        self.recorder = Recorder(ledger, audit)
+        self.recorder = Recorder(ledger, audit, writer)
         self.max_result_bytes = max_result_bytes
         self._definitions: dict[tuple[str, str, str], Decision] = {}
         self._digests: dict[int, tuple[types.Tool, str]] = {}
