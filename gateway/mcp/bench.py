@@ -197,6 +197,7 @@ def run_mcp_bench(clients: int = 8, calls: int = 50) -> dict[str, Any]:
     try:
         _wait(up_port, upstream)
         _wait(proxy_port, proxy)
+        _measure(proxy_url, auth, "up__page", 1, 1, proxy.pid)  # the proxy's start-up (its writer's imports) ends
         runs = {}
         for n in (clients, 1):  # 1: the same calls one at a time, nobody else's work to wait behind
             direct = _measure(direct_url, {}, "page", n, calls, upstream.pid)
