@@ -8,7 +8,8 @@ time less the time it awaited the upstream and the gate's scans, stamped into ea
 `_meta`: policy, redaction, ledger and audit commits, worker threads), and end to end (through-
 proxy latency less direct latency less the gate's scans measured here on the same bytes, which
 adds the extra MCP hop's transport and serialization). Beside them: the wait for the durable
-commit (stamped too), the CPU the proxy process spent per call (from /proc), and the same
+commit (stamped too), the CPU the proxy spent per call (its process and its commit writer's, from
+/proc), and the same
 measures with one client, where no call waits behind another's work. On a shared, loaded
 machine every number moves with the load: read them with the `cpu_count` and load average
 printed beside them.
@@ -102,12 +103,15 @@ async def _load(url: str, headers: dict[str, str], tool: str, clients: int,
 
 
 def _cpu_ms(pid: int) -> float | None:
-    """A process's CPU time so far (user + system), from /proc; None where there is none."""
+    """A process's CPU time so far (user + system), with its live children's (the proxy's commit
+    writer), from /proc; None where there is none."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     except OSError:
         return None
-    return (int(fields[11]) + int(fields[12])) * 1e3 / os.sysconf("SC_CLK_TCK")
+    own = (int(fields[11]) + int(fields[12])) * 1e3 / os.sysconf("SC_CLK_TCK")
+    return own + sum(_cpu_ms(int(c)) or 0.0 for c in children)
 
 
 def _measure(url: str, headers: dict[str, str], tool: str, clients: int, calls: int,
@@ -157,7 +161,7 @@ def _guard_cpu_ms(workdir: Path, samples: int = 100) -> dict[str, float]:
     from policies import PolicyEngine
 
     from ..tenants import Principal
-    from .guard import Call, Guard
+    from .guard import Call, Document, Guard
 
     url = f"sqlite:///{workdir / 'guard.db'}"
     guard = Guard(Gate(), PolicyEngine(), Ledger(url, check_invariants=False),
@@ -167,7 +171,7 @@ def _guard_cpu_ms(workdir: Path, samples: int = 100) -> dict[str, float]:
     for n in range(samples + 10):
         call = Call(Principal("bench", "bench"), None, "up", "up__page")
         started = time.process_time()
-        _, record = guard.screen_arguments(call, ARGS)
+        _, record = guard.screen_arguments(call, Document.of_arguments(ARGS))
         guard.screen_result(call, result, record)
         if n >= 10:  # warm: the policy engine's per-thread compile, SQLite's caches
             cpu.append((time.process_time() - started - call.spent["gate"]) * 1e3)
@@ -193,6 +197,7 @@ def run_mcp_bench(clients: int = 8, calls: int = 50) -> dict[str, Any]:
     try:
         _wait(up_port, upstream)
         _wait(proxy_port, proxy)
+        _measure(proxy_url, auth, "up__page", 1, 1, proxy.pid)  # the proxy's start-up (its writer's imports) ends
         runs = {}
         for n in (clients, 1):  # 1: the same calls one at a time, nobody else's work to wait behind
             direct = _measure(direct_url, {}, "page", n, calls, upstream.pid)
@@ -213,8 +218,8 @@ def run_mcp_bench(clients: int = 8, calls: int = 50) -> dict[str, Any]:
                 "the durable commit of the call's ledger crossing and audit records (commit_wait_ms, one group "
                 "commit shared by the calls waiting together) and, with concurrent clients, waiting for the "
                 "proxy's one event loop and GIL while other calls' MCP transport work runs "
-                "(proxy_cpu_ms_per_call: the proxy process's CPU per call, SDK server and client hops, auth, "
-                "guard and commits). end_to_end_overhead_ms: proxied - direct - gate scans (p50), which adds "
+                "(proxy_cpu_ms_per_call: the CPU per call of the proxy process and its commit writer process, "
+                "SDK server and client hops, auth, guard and commits). end_to_end_overhead_ms: proxied - direct - gate scans (p50), which adds "
                 "the extra MCP hop (HTTP, JSON-RPC, the SDK on both sides). guard_cpu_ms: CPU per call of the "
                 "guard, gate excluded, one caller in process. one_client: the same with one client. Clients, "
                 "proxy and upstream share this machine's cores with each other and with any other load",

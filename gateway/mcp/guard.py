@@ -16,8 +16,9 @@ found and each block's fragment cut (`Document.glued_secrets`). Content the gate
 passed or withheld as the policy's `non_text` says, and a withheld block leaves a text stub
 behind: nothing disappears silently. A call's arguments are screened the same way (phase
 "arguments"); anything but `allow` refuses the call before it reaches the upstream. So is each
-tool's definition (phase "definition"): a tool whose description carries an injection is
-neither listed nor callable.
+definition a list method shows (phase "definition"): a tool, resource, resource template or
+prompt whose description carries an injection is not listed, and such a tool is not callable.
+A stub names what it stands for and the policy rule that decided (`reason_label`).
 
 Fail closed: if the gate, the ledger or the audit log fails, the agent gets an error and no
 content. Records hold digests, kinds and offsets, never the content.
@@ -36,6 +37,7 @@ from typing import Any
 
 import mcp.types as types
 import structlog
+from pydantic import BaseModel
 
 from audit import AuditLog
 from gate import Cut, Finding, Gate, GateReport, Redaction, redact
@@ -45,7 +47,8 @@ from policies import Decision, PolicyEngine, tool_identity
 
 from ..screen import Screened, apply_redact, gate_input
 from ..tenants import Principal
-from .recorder import Recorder
+from .recorder import Recorder, Writer
+from .settings import PROMPT_GET, RESOURCE_READ, SEPARATOR
 
 log = structlog.get_logger(__name__)
 
@@ -101,8 +104,9 @@ class Pending:
 
     def failed(self, exc: BaseException) -> ScreeningError:
         """The error the agent gets when this decision's records could not be committed."""
-        log.error("mcp.record_failed", **self.about, crossing=self.crossing_id, error=type(exc).__name__)
-        return ScreeningError(f"the decision could not be recorded ({type(exc).__name__}); "
+        kind = getattr(exc, "kind", type(exc).__name__)  # a WriterError names the error in the writer process
+        log.error("mcp.record_failed", **self.about, crossing=self.crossing_id, error=kind)
+        return ScreeningError(f"the decision could not be recorded ({kind}); "
                               "nothing was passed on; check the ledger and audit databases")
 
 
@@ -194,6 +198,16 @@ class Document:
             pos += len(e) + len(JOINER)
         return cls(JOINER.join(encoded), tuple(spans))
 
+    @classmethod
+    def of_arguments(cls, arguments: dict[str, Any]) -> "Document":
+        """A call's arguments as the gate reads them (each string beside its key)."""
+        return cls.of(list(_json_parts(arguments)))
+
+    @classmethod
+    def of_result(cls, result: types.CallToolResult) -> "Document":
+        """A result's readable text (`result_parts`) as one document."""
+        return cls.of(result_parts(result))
+
     @property
     def sha256(self) -> str:
         return hashlib.sha256(self.data).hexdigest()
@@ -267,12 +281,14 @@ def stub_result(text: str) -> types.CallToolResult:
 # ---- the guard -------------------------------------------------------------------------------------
 
 class Guard:
-    """Screens one call's arguments and one call's result; thread-safe, synchronous (run it off the loop)."""
+    """Screens one call's arguments and one call's result; thread-safe and synchronous. The proxy runs
+    it on its event loop for small documents and on a worker thread for large ones (proxy.py); only
+    `settle` and `screen_definition` block, on a durable commit, and never run on the loop."""
 
     def __init__(self, gate: Gate, policy: PolicyEngine, ledger: Ledger, audit: AuditLog,
-                 max_result_bytes: int) -> None:
+                 max_result_bytes: int, writer: Writer | None = None) -> None:
         self.gate, self.policy = gate, policy
-        self.recorder = Recorder(ledger, audit)
+        self.recorder = Recorder(ledger, audit, writer)
         self.max_result_bytes = max_result_bytes
         self._definitions: dict[tuple[str, str, str], Decision] = {}
         self._digests: dict[int, tuple[types.Tool, str]] = {}
@@ -313,28 +329,30 @@ class Guard:
                                 lambda rescan, n: self._input(call, "result", rescan, n), cut)
         return report, screened, texts if screened.decision.action == "redact" else None
 
-    # -- tool definitions ---------------------------------------------------------------------------
+    # -- definitions: what the list methods show ----------------------------------------------------
 
-    def known_definition(self, call: Call, tool: types.Tool) -> Decision | None:
-        """The decision `screen_tool` already took on this definition for this tenant, if any: a
-        dictionary look-up, cheap enough for the event loop (no thread hop per call)."""
-        return self._definitions.get((call.tenant, call.tool, self._definition_sha(tool)))
+    def known_definition(self, call: Call, item: BaseModel) -> Decision | None:
+        """The decision `screen_definition` already took on this definition for this tenant, if any:
+        a dictionary look-up, cheap enough for the event loop (no thread hop per call)."""
+        return self._definitions.get((call.tenant, call.tool, self._definition_sha(item)))
 
-    def _definition_sha(self, tool: types.Tool) -> str:
-        """The digest of a definition, remembered per Tool object (the upstream link keeps one per
+    def _definition_sha(self, item: BaseModel) -> str:
+        """The digest of a definition, remembered per object (the upstream link keeps one Tool per
         listing; `is` guards against a reused id)."""
-        seen = self._digests.get(id(tool))
-        if seen is None or seen[0] is not tool:
+        seen = self._digests.get(id(item))
+        if seen is None or seen[0] is not item:
             if len(self._digests) >= 4096:
                 self._digests.clear()
-            seen = self._digests[id(tool)] = (tool, _definition(tool).sha256)
+            seen = self._digests[id(item)] = (item, _definition(item).sha256)
         return seen[1]
 
-    def screen_tool(self, call: Call, tool: types.Tool) -> Decision:
-        """Whether the agent may see and call this tool: its definition (description, titles, schema
-        text) reaches the agent's model too, so a poisoned description is an injection like any
-        other. Screened once per tenant and distinct definition; anything but allow hides the tool."""
-        doc = _definition(tool)
+    def screen_definition(self, call: Call, item: BaseModel) -> Decision:
+        """Whether the agent may see this tool, resource, resource template or prompt: its definition
+        (description, titles, URI, schema and argument text) reaches the agent's model too, so a
+        poisoned description is an injection like any other. Screened once per tenant and distinct
+        definition; anything but allow hides it (and makes a tool uncallable). Blocks on the
+        commit of a withheld definition's record: run it off the event loop."""
+        doc = _definition(item)
         key = (call.tenant, call.tool, doc.sha256)
         decision = self._definitions.get(key)
         if decision is not None:
@@ -351,11 +369,10 @@ class Guard:
 
     # -- arguments ---------------------------------------------------------------------------------
 
-    def screen_arguments(self, call: Call, arguments: dict[str, Any]) -> tuple[Pending | None, dict[str, Any]]:
-        """The refusal (None when the call may go ahead) and the call's `mcp-call` record. An allowed
-        call's record is written later with its result, in one commit (`decide_result` or
-        `upstream_failed`); a refused call's is queued here."""
-        doc = Document.of(list(_json_parts(arguments)))
+    def screen_arguments(self, call: Call, doc: Document) -> tuple[Pending | None, dict[str, Any]]:
+        """The refusal (None when the call may go ahead) and the call's `mcp-call` record, for the
+        arguments' `Document.of_arguments`. An allowed call's record is written later with its
+        result, in one commit (`decide_result` or `upstream_failed`); a refused call's is queued here."""
         report, screened, _ = self._decide(call, "arguments", doc)
         decision = screened.decision
         body = self._body("mcp-call", call, doc, report, decision, None)
@@ -363,28 +380,29 @@ class Guard:
             return None, body
 
         def refusal(crossing: str) -> types.CallToolResult:
-            return stub_result(f"[tool call refused by policy: {_reason(report)}] {call.tool} was not called. "
-                               f"Reasons: {'; '.join(decision.reasons)} (lethe crossing {crossing})")
+            kind = _kind(call)
+            return stub_result(f"[{kind.call} refused by policy: {reason_label(decision)}] {call.tool} "
+                               f"{kind.not_done}. Reasons: {'; '.join(decision.reasons)} (lethe crossing {crossing})")
         return self._record(call, "arguments", doc.sha256, decision, body, [], refusal), body
 
-    def upstream_failed(self, call: Call, call_record: dict[str, Any], error: str) -> None:
-        """An allowed call whose upstream failed: its call record, and the failure, are still written."""
+    def upstream_failed(self, call: Call, call_record: dict[str, Any], error: str) -> Pending:
+        """An allowed call whose upstream failed: its call record, and the failure, are still written
+        (the agent's error waits for them, like any outcome)."""
         decision = Decision("quarantine", (f"upstream_error: {error}",), self.policy.bundle_hash)
         body = self._body("mcp-result", call, Document.of([]), None, decision, None)
-        self.settle(self._record(call, "result", body["content_sha256"], decision, body, [], stub_result(""),
-                                 call_record))
+        return self._record(call, "result", body["content_sha256"], decision, body, [], stub_result(""), call_record)
 
     # -- results -----------------------------------------------------------------------------------
 
     def screen_result(self, call: Call, result: types.CallToolResult,
                       call_record: dict[str, Any] | None = None) -> Outcome:
         """`decide_result`, then wait for its commit: for callers with a thread to spare."""
-        return self.settle(self.decide_result(call, result, call_record))
+        return self.settle(self.decide_result(call, result, Document.of_result(result), call_record))
 
-    def decide_result(self, call: Call, result: types.CallToolResult,
+    def decide_result(self, call: Call, result: types.CallToolResult, doc: Document,
                       call_record: dict[str, Any] | None = None) -> Pending:
-        """What the agent will be shown, once the decision's records (queued here) are durable."""
-        doc = Document.of(result_parts(result))
+        """What the agent will be shown (`doc` is the result's `Document.of_result`), once the
+        decision's records (queued here) are durable."""
         if len(doc.data) > self.max_result_bytes:
             decision = Decision("quarantine", (f"result_size: {len(doc.data)} bytes of text > "
                                                f"{self.max_result_bytes} (LETHE_MCP_MAX_RESULT_BYTES)",),
@@ -399,10 +417,8 @@ class Guard:
         body = self._body("mcp-result", call, doc, report, decision, screened.redaction)
         body.update(non_text={"blocks": non_text, "action": decision.non_text}, parts_sha256=doc.part_digests())
         if decision.action == "quarantine":
-            reason = "result-size" if report is None else _reason(report)
-
             def shown_for(crossing: str) -> types.CallToolResult:
-                return stub_result(f"[tool result withheld by policy: {reason}] Reasons: "
+                return stub_result(f"[{_kind(call).result} withheld by policy: {reason_label(decision)}] Reasons: "
                                    f"{'; '.join(decision.reasons)} (lethe crossing {crossing})")
             return self._record(call, "result", doc.sha256, decision, body, withhold, shown_for, call_record)
         return self._record(call, "result", doc.sha256, decision, body, withhold, shown, call_record)
@@ -447,9 +463,9 @@ class Guard:
         return Pending(result, decision, crossing.id, about, self.recorder.submit(crossing, withhold, records))
 
 
-def _definition(tool: types.Tool) -> Document:
-    """What of a tool's definition reaches the agent's model (all but its name, which the proxy sets)."""
-    return Document.of(list(_json_parts(tool.model_dump(mode="json", exclude={"name"}, exclude_none=True))))
+def _definition(item: BaseModel) -> Document:
+    """What of a listed definition reaches the agent's model (all but its name, which the proxy sets)."""
+    return Document.of(list(_json_parts(item.model_dump(mode="json", exclude={"name"}, exclude_none=True))))
 
 
 def _moved(redaction: Redaction, offset: int) -> Iterator[Cut]:
@@ -457,12 +473,35 @@ def _moved(redaction: Redaction, offset: int) -> Iterator[Cut]:
         yield replace(c, byte_start=c.byte_start + offset, byte_end=c.byte_end + offset)
 
 
-def _reason(report: GateReport) -> str:
-    if report.injection >= 0.5:
-        return "prompt-injection"
-    if report.secret >= 0.5:
-        return "secret"
-    return "policy"
+@dataclass(frozen=True)
+class _Kind:
+    """How a stub names what it stands for: a tool's, a resource's or a prompt's."""
+
+    result: str
+    call: str
+    not_done: str
+
+
+_KINDS = {"tool": _Kind("tool result", "tool call", "was not called"),
+          "resource": _Kind("resource", "resource read", "was not read"),
+          "prompt": _Kind("prompt", "prompt request", "was not requested")}
+
+# A stub's label is the rule that decided (the first reason's name), in words an agent can act on.
+_LABELS = {"injection_threshold": "prompt-injection", "secret_threshold": "secret", "sensitive_finding": "secret",
+           "blocked_tool": "blocked-tool", "quarantined_content": "quarantined-before",
+           "withheld_at_boundary": "quarantined-before", "span_limit": "too-long", "session_budget": "session-budget",
+           "result_size": "result-size", "input_invalid": "invalid-policy-input"}
+
+
+def _kind(call: Call) -> _Kind:
+    route = call.tool.split(SEPARATOR, 1)[-1]
+    return _KINDS["resource" if route == RESOURCE_READ else "prompt" if route.startswith(PROMPT_GET) else "tool"]
+
+
+def reason_label(decision: Decision) -> str:
+    """The rule that decided, as a short label (`prompt-injection`, `blocked-tool`): a stub's first words."""
+    rule = decision.reasons[0].split(":", 1)[0] if decision.reasons else ""
+    return _LABELS.get(rule, rule.replace("_", "-") or "policy")
 
 
 def _actor(call: Call) -> str:

@@ -23,17 +23,24 @@ from mcp.server.lowlevel import Server
 from mcp.shared.exceptions import MCPError
 
 from ledger import Ledger
+from policies import Decision
 
 from .. import __version__
 from ..tenants import Principal
-from .guard import Call, Guard, Outcome, Pending, ScreeningError
-from .settings import PROMPT_GET, RESOURCE_READ, URI_SCHEME, McpSettings, exported_name, exported_uri, split_uri
+from .guard import Call, Document, Guard, Outcome, Pending, ScreeningError, reason_label
+from .settings import (PROMPT_GET, RESOURCE_READ, URI_SCHEME, McpSettings, exported_name, exported_template,
+                       exported_uri, split_uri)
 from .upstream import Upstreams, UpstreamError
 
 log = structlog.get_logger(__name__)
 
 META_KEY = "io.lethe/decision"
 UPSTREAM_FAILED = -32001  # JSON-RPC server-error range: the upstream failed, the proxy did not
+# Documents up to this size are screened on the event loop (the gate reads ~30 bytes a
+# microsecond, so about a millisecond): a worker thread would cost more, since under load it waits
+# for the GIL behind the loop for up to a switch interval (5 ms) and then for the loop to take its
+# answer back. Larger ones go to a guard thread, so the loop keeps serving other agents meanwhile.
+INLINE_BYTES = 32 * 1024
 
 
 @dataclass(frozen=True)
@@ -79,12 +86,9 @@ class Proxy:
 
     def server(self, caller_of: CallerOf) -> Server[Any]:
         async def list_tools(ctx: Any, params: types.PaginatedRequestParams | None) -> types.ListToolsResult:
-            caller = caller_of(ctx)
-            shown = []
-            for name, tool in await self.upstreams.tools():
-                if await self._definition_allowed(caller, name, tool):
-                    shown.append(tool.model_copy(update={"name": name}))
-            return types.ListToolsResult(tools=shown)
+            return types.ListToolsResult(tools=await self._shown(
+                caller_of(ctx), await self.upstreams.tools(), lambda name, _t: name,
+                lambda name, t: t.model_copy(update={"name": name})))
 
         async def call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
             return await self.call(caller_of(ctx), params.name, dict(params.arguments or {}))
@@ -96,36 +100,51 @@ class Proxy:
             return tool.input_schema if tool is not None else None
 
         async def list_resources(ctx: Any, params: types.PaginatedRequestParams | None) -> types.ListResourcesResult:
-            caller_of(ctx)  # authenticated, like every request
-            return types.ListResourcesResult(resources=[
-                r.model_copy(update={"uri": exported_uri(name, r.uri), "name": exported_name(name, r.name)})
-                for name, r in await self.upstreams.resources()])
+            return types.ListResourcesResult(resources=await self._shown(
+                caller_of(ctx), await self.upstreams.resources(), _read_route,
+                lambda up, r: r.model_copy(update={"uri": exported_uri(up, r.uri), "name": exported_name(up, r.name)})))
+
+        async def list_templates(ctx: Any,
+                                 params: types.PaginatedRequestParams | None) -> types.ListResourceTemplatesResult:
+            return types.ListResourceTemplatesResult(resource_templates=await self._shown(
+                caller_of(ctx), await self.upstreams.templates(), _read_route,
+                lambda up, t: t.model_copy(update={"uri_template": exported_template(up, t.uri_template),
+                                                   "name": exported_name(up, t.name)})))
 
         async def read_resource(ctx: Any, params: types.ReadResourceRequestParams) -> types.ReadResourceResult:
             return await self.read(caller_of(ctx), params.uri)
 
         async def list_prompts(ctx: Any, params: types.PaginatedRequestParams | None) -> types.ListPromptsResult:
-            caller_of(ctx)
-            return types.ListPromptsResult(prompts=[p.model_copy(update={"name": exported_name(name, p.name)})
-                                                    for name, p in await self.upstreams.prompts()])
+            return types.ListPromptsResult(prompts=await self._shown(
+                caller_of(ctx), await self.upstreams.prompts(), lambda up, p: exported_name(up, PROMPT_GET + p.name),
+                lambda up, p: p.model_copy(update={"name": exported_name(up, p.name)})))
 
         async def get_prompt(ctx: Any, params: types.GetPromptRequestParams) -> types.GetPromptResult:
             return await self.prompt(caller_of(ctx), params.name, dict(params.arguments or {}))
 
         return Server("lethe-mcp", version=__version__, on_list_tools=list_tools, on_call_tool=call_tool,
-                      on_list_resources=list_resources, on_read_resource=read_resource,
-                      on_list_prompts=list_prompts, on_get_prompt=get_prompt,
+                      on_list_resources=list_resources, on_list_resource_templates=list_templates,
+                      on_read_resource=read_resource, on_list_prompts=list_prompts, on_get_prompt=get_prompt,
                       get_tool_input_schema=input_schema,
                       instructions="Lethe screens every tool result and every call's arguments; "
                                    "a withheld result names the reason.")
 
-    async def _definition_allowed(self, caller: Caller, name: str, tool: types.Tool) -> bool:
+    async def _shown(self, caller: Caller, listed: list[tuple[str, Any]], route: Callable[[str, Any], str],
+                     export: Callable[[str, Any], Any]) -> list[Any]:
+        """The listed definitions whose text passes the gate, exported. `listed` holds (key, item)
+        pairs; `route(key, item)` is the tool name the item is screened under (the one its use
+        goes by), `export(key, item)` what the agent is shown."""
+        return [export(key, item) for key, item in listed
+                if (await self._definition_decision(caller, route(key, item), item)).action == "allow"]
+
+    async def _definition_decision(self, caller: Caller, name: str, item: Any) -> Decision:
         call = Call(caller.principal, None, name.split("__", 1)[0], name)
         try:
-            decision = self.guard.known_definition(call, tool) or await self._off_loop(self.guard.screen_tool, call, tool)
+            decision = self.guard.known_definition(call, item) or \
+                await self._off_loop(self.guard.screen_definition, call, item)
         except ScreeningError as exc:
-            raise MCPError(types.INTERNAL_ERROR, f"lethe could not screen tool {name!r}: {exc}") from exc
-        return bool(decision.action == "allow")
+            raise MCPError(types.INTERNAL_ERROR, f"lethe could not screen the definition of {name!r}: {exc}") from exc
+        return decision
 
     async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
@@ -135,6 +154,12 @@ class Proxy:
         is per user (the chat API's rule, `Principal.may_see`)."""
         record = self.ledger.get_session(session_id, principal.tenant)
         return record is not None and principal.may_see(self.guard.policy, record)
+
+    async def _guarded(self, doc: Document, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)`, a guard step over `doc`: on the loop if the document is small, else off it."""
+        if len(doc.data) <= INLINE_BYTES:
+            return fn(*args)
+        return await self._off_loop(fn, *args)
 
     def linked_session(self, principal: Principal, session_id: str | None) -> str | None:
         """The chat session to link results to; one the caller cannot see (or an unknown id) is refused."""
@@ -158,9 +183,11 @@ class Proxy:
             definition = await self.upstreams.definition(*route)
         except UpstreamError as exc:
             raise MCPError(UPSTREAM_FAILED, str(exc)) from exc
-        if not await self._definition_allowed(caller, name, definition):
-            raise MCPError(types.INVALID_PARAMS, f"tool {name!r} is withheld by policy: its definition did not "
-                                                 "pass the gate (see the audit log's definition record)")
+        decision = await self._definition_decision(caller, name, definition)
+        if decision.action != "allow":
+            raise MCPError(types.INVALID_PARAMS, f"tool {name!r} is withheld by policy: {reason_label(decision)} "
+                                                 f"({'; '.join(decision.reasons)}); its definition is not shown or "
+                                                 "callable (see the audit log's definition record)")
         call = await self._call(caller, route[0], route[1])
         outcome = await self._screened(call, arguments, lambda: self.upstreams.call(route[0], route[1], arguments),
                                        "call")
@@ -212,20 +239,26 @@ class Proxy:
                         fetch: Callable[[], Awaitable[types.CallToolResult]], what: str) -> Outcome:
         """Arguments screened, then `fetch` from the upstream, then its blocks screened; durable before returned."""
         try:
-            refusal, record = await self._off_loop(self.guard.screen_arguments, call, arguments)
+            doc = Document.of_arguments(arguments)
+            refusal, record = await self._guarded(doc, self.guard.screen_arguments, call, doc)
             if refusal is not None:
                 return await _durable(refusal, call)
             upstream_started = time.perf_counter()
             try:
                 blocks = await fetch()
             except UpstreamError as exc:
-                await self._off_loop(self.guard.upstream_failed, call, record, str(exc))
+                await _durable(self.guard.upstream_failed(call, record, str(exc)), call)
                 raise MCPError(UPSTREAM_FAILED, str(exc)) from exc
             call.spent["upstream"] = time.perf_counter() - upstream_started
-            pending = await self._off_loop(self.guard.decide_result, call, blocks, record)
-            return await _durable(pending, call)
+            doc = Document.of_result(blocks)
+            return await _durable(await self._guarded(doc, self.guard.decide_result, call, blocks, doc, record), call)
         except ScreeningError as exc:
             raise MCPError(types.INTERNAL_ERROR, f"lethe could not screen this {what}: {exc}") from exc
+
+
+def _read_route(upstream: str, _item: Any) -> str:
+    """Resources and templates are screened under the tool name their reads go by."""
+    return exported_name(upstream, RESOURCE_READ)
 
 
 def _as_prompt(outcome: Outcome, call: Call, started: float,

@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import anyio
 
-from audit import AuditLog, Signer
 from gate import Gate
-from ledger import Ledger
 from policies import PolicyEngine
 
 from ..config import Settings
@@ -14,24 +12,26 @@ from .guard import Guard
 from .proxy import Proxy
 from .settings import McpSettings, UpstreamConfigError
 from .transport import http_app, serve_stdio
+from .writer import WriterProcess, stores
+
+KEY_CACHE_S = 10.0  # how long a found API key is remembered: a key deleted from the database works this much longer
 
 
-def build(settings: Settings, upstream_flags: list[str] | None = None) -> tuple[Proxy, TenantStore]:
-    """The proxy over this deployment's gate, policy, ledger and audit log (the chat endpoint's own stores)."""
+def build(settings: Settings, upstream_flags: list[str] | None = None,
+          writer_process: bool = False) -> tuple[Proxy, TenantStore]:
+    """The proxy over this deployment's gate, policy, ledger and audit log. With `writer_process`
+    its records are committed by a child process (writer.py: for a proxy serving many agents)."""
     s = settings
     try:
         mcp = McpSettings.from_settings(s, upstream_flags)
     except UpstreamConfigError as exc:  # a configuration slip: one line, no traceback
         raise SystemExit(f"lethe mcp: {exc}") from None
-    s.data_dir.mkdir(parents=True, exist_ok=True)
-    ledger = Ledger(s.db_url, check_invariants=s.debug)
-    signer = Signer.from_pem(s.audit_key_pem) if s.audit_key_pem else \
-        Signer.load_or_create(s.resolved("audit_key_path", "audit-key.pem"))
-    audit = AuditLog(s.audit_db_url, signer, origin=s.audit_origin, batch_size=s.audit_batch_size)
+    ledger, audit = stores(s)  # before the writer starts: its stores open the same key and databases
     policy = PolicyEngine(s.policy_dir, backend=s.policy_backend, opa_url=s.opa_url, timeout_s=s.opa_timeout_s,
                           retries=s.opa_retries)
-    guard = Guard(Gate(gitleaks_config=s.gitleaks_config), policy, ledger, audit, mcp.max_result_bytes)
-    return Proxy(mcp, guard, ledger), TenantStore.from_url(s.db_url, s.admin_key)
+    guard = Guard(Gate(gitleaks_config=s.gitleaks_config), policy, ledger, audit, mcp.max_result_bytes,
+                  WriterProcess(s) if writer_process else None)
+    return Proxy(mcp, guard, ledger), TenantStore.from_url(s.db_url, s.admin_key, cache_s=KEY_CACHE_S)
 
 
 def run_stdio(settings: Settings, flags: list[str], tenant: str, user: str | None, session: str | None) -> None:
@@ -44,5 +44,5 @@ def run_stdio(settings: Settings, flags: list[str], tenant: str, user: str | Non
 def run_http(settings: Settings, flags: list[str], host: str, port: int) -> None:
     import uvicorn
 
-    proxy, tenants = build(settings, flags)
+    proxy, tenants = build(settings, flags, writer_process=True)
     uvicorn.run(http_app(proxy, tenants, host), host=host, port=port, log_config=None, access_log=False)

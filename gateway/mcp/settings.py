@@ -6,6 +6,7 @@ into (upstream, tool) unambiguously, whatever the upstream calls its tools.
 """
 from __future__ import annotations
 
+import re
 import shlex
 from typing import Any
 from urllib.parse import quote, unquote
@@ -126,6 +127,14 @@ def exported_uri(upstream: str, uri: str) -> str:
     """An upstream's resource URI as the proxy serves it: `lethe-mcp://<upstream>/<uri, percent-encoded>`,
     so two upstreams' URIs cannot collide and a read is routed by the proxy, not by the URI's own scheme."""
     return f"{URI_SCHEME}{upstream}/{quote(uri, safe='')}"
+
+
+def exported_template(upstream: str, template: str) -> str:
+    """An upstream's URI template (RFC 6570) as the proxy serves it: `exported_uri`'s encoding of the
+    literal text, the `{...}` expressions kept, so the client expands them and `split_uri` routes
+    the result back to the upstream's own URI."""
+    pieces = re.split(r"(\{[^{}]*\})", template)
+    return f"{URI_SCHEME}{upstream}/" + "".join(p if p.startswith("{") else quote(p, safe="") for p in pieces)
 
 
 def split_uri(exported: str) -> tuple[str, str] | None:

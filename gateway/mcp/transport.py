@@ -2,8 +2,9 @@
 
 Over HTTP the caller is whoever the `Authorization: Bearer lth_...` key belongs to (the chat
 endpoint's keys, stored hashed in gateway/tenants.py), checked on every request before the MCP
-layer sees it; `X-Lethe-Session` links results to one of that tenant's chat sessions. Over stdio
-the process speaks for the one tenant it was started as (`lethe mcp --tenant T`): the agent that
+layer sees it (a key found in the last `KEY_CACHE_S` seconds is answered from memory, on the
+loop); `X-Lethe-Session` links results to one of that tenant's chat sessions. Over stdio the
+process speaks for the one tenant it was started as (`lethe mcp --tenant T`): the agent that
 spawned it already holds the machine, so there is no key to present.
 """
 from __future__ import annotations
@@ -67,7 +68,8 @@ class TenantAuth:
         scheme, _, key = headers.get("authorization", "").partition(" ")
         principal = None
         if scheme.lower() == "bearer" and key.strip():
-            principal = await anyio.to_thread.run_sync(self.tenants.authenticate, key.strip())
+            principal = self.tenants.cached(key.strip()) or \
+                await anyio.to_thread.run_sync(self.tenants.authenticate, key.strip())
         if principal is None:
             response = _error(401, "invalid_api_key", "send a Lethe API key as `Authorization: Bearer lth_...` "
                                                       "(create one with `lethe key create --tenant T`)")
@@ -97,8 +99,12 @@ def http_app(proxy: Proxy, tenants: TenantStore, host: str = "127.0.0.1") -> ASG
         return JSONResponse({"crossings": [r.to_dict() for r in rows]})
 
     server = proxy.server(_http_caller)
+    # JSON responses, not SSE: the proxy's handlers send no progress or other notifications, so a
+    # stream would only cost a task group and a channel per request. A handler is then not
+    # cancelled when its client hangs up: the decision is still recorded, and the reply dropped.
     inner: Starlette = server.streamable_http_app(
-        host=host, custom_starlette_routes=[Route("/v1/mcp/crossings", crossings, methods=["GET"])])
+        host=host, json_response=True,
+        custom_starlette_routes=[Route("/v1/mcp/crossings", crossings, methods=["GET"])])
     serve_sessions = inner.router.lifespan_context
 
     @asynccontextmanager

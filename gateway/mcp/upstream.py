@@ -81,7 +81,13 @@ class Upstreams:
             log.warning("mcp.upstream_unavailable", upstream=name, error=str(exc))
 
     async def link(self, name: str) -> Link:
-        """The open link to `name`, (re)connecting when there is none or the last one failed."""
+        """The open link to `name`, (re)connecting when there is none or the last one failed.
+
+        A healthy link is returned without taking the lock: an anyio lock yields to the loop even
+        when free, and on a loaded proxy every yield waits behind every other agent's work."""
+        link = self._links.get(name)
+        if link is not None and not link.broken:
+            return link
         async with self._locks[name]:
             link = self._links.get(name)
             if link is not None and not link.broken:
@@ -160,20 +166,30 @@ class Upstreams:
 
     async def resources(self) -> list[tuple[str, types.Resource]]:
         """(upstream, resource) for every reachable upstream's listed resources, in configuration order."""
-        return await self._listed("resources/list", types.ListResourcesResult,
+        return await self._listed("resources", "resources/list", types.ListResourcesResult,
                                   lambda client: client.list_resources(), lambda r: r.resources)
+
+    async def templates(self) -> list[tuple[str, types.ResourceTemplate]]:
+        """(upstream, resource template) for every reachable upstream's listed templates, in configuration order."""
+        return await self._listed("resources", "resources/templates/list", types.ListResourceTemplatesResult,
+                                  lambda client: client.list_resource_templates(), lambda r: r.resource_templates)
 
     async def prompts(self) -> list[tuple[str, types.Prompt]]:
         """(upstream, prompt) for every reachable upstream's listed prompts, in configuration order."""
-        return await self._listed("prompts/list", types.ListPromptsResult,
+        return await self._listed("prompts", "prompts/list", types.ListPromptsResult,
                                   lambda client: client.list_prompts(), lambda r: r.prompts)
 
-    async def _listed(self, what: str, result: type[Any], request: Any,
+    async def _listed(self, capability: str, what: str, result: type[Any], request: Any,
                       items: Callable[[Any], list[Any]]) -> list[tuple[str, Any]]:
-        """One listing from every upstream that answers; one that does not is logged and skipped."""
+        """One listing from every upstream that offers `capability` and answers; one that fails is
+        logged and skipped. One that does not offer it is not asked (it would answer an error,
+        and an error drops the link)."""
         out: list[tuple[str, Any]] = []
         for name in self._specs:
             try:
+                link = await self.link(name)
+                if getattr(link.client.server_capabilities, capability, None) is None:
+                    continue
                 listed = await self._request(name, what, result, request)
             except UpstreamError as exc:
                 log.warning("mcp.upstream_unavailable", upstream=name, error=str(exc))

@@ -8,6 +8,8 @@ makes the calls wait at their commit, so they queue for the same batch.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sqlite3
 import sys
 from collections import Counter
@@ -15,13 +17,16 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import pytest
 from mcp import Client
 
-from audit import AuditLog, Signer, verify_export
+from audit import AuditLog, verify_export
 from gate import Gate
+from gateway.config import Settings
 from gateway.mcp import Caller, Guard, McpSettings, Proxy, UpstreamSpec
+from gateway.mcp.writer import WriterError, WriterProcess, stores
 from gateway.tenants import Principal
-from ledger import Ledger
+from ledger import Crossing, CrossingLog, Ledger
 from policies import PolicyEngine
 
 FIXTURE = Path(__file__).with_name("mcp_upstream.py")
@@ -31,15 +36,22 @@ FAIL_AUDIT = ("CREATE TRIGGER injected_failure BEFORE INSERT ON audit_records "
               "BEGIN SELECT RAISE(ABORT, 'injected: disk quota exceeded'); END")
 
 
-def _stores(tmp: Path) -> tuple[Proxy, Ledger, AuditLog, Path]:
-    db = tmp / "lethe.db"
-    ledger = Ledger(f"sqlite:///{db}", check_invariants=False)
-    audit = AuditLog(f"sqlite:///{db}", Signer.load_or_create(tmp / "key.pem"), batch_size=8)
+@pytest.fixture(params=["in-process", "writer-process"])
+def writer(request: pytest.FixtureRequest) -> str:
+    """Commits in the proxy's own recorder thread (stdio), or in a writer process (`lethe mcp --http`)."""
+    return str(request.param)
+
+
+def _stores(tmp: Path, writer: str) -> tuple[Proxy, Ledger, AuditLog, Path]:
+    deployment = Settings(data_dir=tmp, audit_batch_size=8, database_url=None, audit_database_url=None,
+                          audit_key_path=None, audit_key_pem=None)
+    ledger, audit = stores(deployment)
     settings = McpSettings(upstreams=[UpstreamSpec(name="fx", command=[sys.executable, str(FIXTURE)])],
                            call_timeout_s=20)
-    guard = Guard(Gate(), PolicyEngine(), ledger, audit, settings.max_result_bytes)
+    guard = Guard(Gate(), PolicyEngine(), ledger, audit, settings.max_result_bytes,
+                  WriterProcess(deployment) if writer == "writer-process" else None)
     assert guard.recorder.shared  # one database: the crossing and its records are one transaction
-    return Proxy(settings, guard, ledger), ledger, audit, db
+    return Proxy(settings, guard, ledger), ledger, audit, tmp / "lethe.db"
 
 
 def _concurrently(proxy: Proxy, calls: list[tuple[str, dict[str, Any]]], db: Path,
@@ -83,8 +95,8 @@ def _verifies(audit: AuditLog, tmp: Path) -> None:
     assert report.ok, report.errors
 
 
-def test_concurrent_calls_each_commit_exactly_one_crossing_and_their_records(tmp_path: Path) -> None:
-    proxy, ledger, audit, db = _stores(tmp_path)
+def test_concurrent_calls_each_commit_exactly_one_crossing_and_their_records(tmp_path: Path, writer: str) -> None:
+    proxy, ledger, audit, db = _stores(tmp_path, writer)
     calls = [("fx__weather", {"city": f"city-{i}"}) if i % 3 else ("fx__read_file", {"path": f"{i}/credentials"})
              for i in range(CALLS)]
     results = _concurrently(proxy, calls, db, while_locked="SELECT 1")  # all wait on one lock: shared commits
@@ -106,8 +118,8 @@ def test_concurrent_calls_each_commit_exactly_one_crossing_and_their_records(tmp
     _verifies(audit, tmp_path)
 
 
-def test_a_failed_commit_fails_every_waiting_call_and_records_nothing_of_it(tmp_path: Path) -> None:
-    proxy, ledger, audit, db = _stores(tmp_path)
+def test_a_failed_commit_fails_every_waiting_call_and_records_nothing_of_it(tmp_path: Path, writer: str) -> None:
+    proxy, ledger, audit, db = _stores(tmp_path, writer)
     results = _concurrently(proxy, [("fx__read_file", {"path": f"{i}/credentials"}) for i in range(CALLS)], db,
                             while_locked=FAIL_AUDIT)
     for result, error in results:
@@ -122,3 +134,32 @@ def test_a_failed_commit_fails_every_waiting_call_and_records_nothing_of_it(tmp_
     [(result, error)] = _concurrently(proxy, [("fx__weather", {"city": "Paris"})], db)
     assert error is None and json.loads(json.dumps(result.meta))["io.lethe/decision"]["action"] == "allow"
     _verifies(audit, tmp_path)
+
+
+def test_a_writer_process_that_dies_fails_closed_and_is_replaced(tmp_path: Path) -> None:
+    """Killed between batches: the next batch is either committed by a new writer or fails (it is
+    never reported committed when it was not), and the one after is committed by a new writer."""
+    settings = Settings(data_dir=tmp_path, database_url=None, audit_database_url=None, audit_key_path=None,
+                        audit_key_pem=None)
+    ledger, audit = stores(settings)
+    writer = WriterProcess(settings)
+
+    def batch(n: int) -> tuple[list[tuple[Crossing, list[str]]], list[dict[str, Any]]]:
+        crossing = CrossingLog.new(tenant="acme", session_id=None, channel="mcp", upstream="fx", tool="fx__weather",
+                                   phase="result", content_sha256="0" * 64, action="allow", meta={})
+        return [(crossing, [])], [{"kind": "mcp-result", "tenant": "acme", "tool": "fx__weather", "n": n,
+                                   "content_sha256": "0" * 64, "crossing": crossing.id}]
+
+    first = writer(*batch(0))
+    killed = writer.pid
+    os.kill(killed, signal.SIGKILL)
+    committed = {0: first}
+    try:
+        committed[1] = writer(*batch(1))
+    except WriterError as exc:
+        assert exc.kind == "writer process died"
+    committed[2] = writer(*batch(2))
+    assert writer.pid != killed
+    for n, [index] in committed.items():
+        assert audit.get(index).body["n"] == n
+    assert len(ledger.crossings.list("acme")) == len(committed) == audit.size

@@ -74,7 +74,7 @@ def _call(proxy: Proxy, name: str, args: dict[str, Any]) -> tuple[Any, str | Non
 
 def test_gate_failure_on_the_tools_definition_refuses_the_call(tmp_path: Path) -> None:
     result, error = _call(_proxy(tmp_path, gate=FailingGate(good=0)), "fx__weather", {"city": "Paris"})
-    assert result is None and "lethe could not screen tool 'fx__weather': the gate failed (RuntimeError)" in error
+    assert result is None and "lethe could not screen the definition of 'fx__weather': the gate failed (RuntimeError)" in error
 
 
 def test_gate_failure_on_arguments_refuses_the_call(tmp_path: Path) -> None:
@@ -102,4 +102,4 @@ def test_policy_error_on_results_withholds_them(tmp_path: Path) -> None:
         f.write('\ndecision := {"action": "allow", "reasons": ["conflict: x"]} if input.phase == "result"\n')
     result, error = _call(_proxy(tmp_path, policy=PolicyEngine(bundle)), "fx__weather", {"city": "Paris"})
     assert error is None and result.is_error
-    assert result.content[0].text.startswith("[tool result withheld by policy: policy] Reasons: policy-error:")
+    assert result.content[0].text.startswith("[tool result withheld by policy: policy-error] Reasons: policy-error:")
