@@ -88,14 +88,22 @@ decision_fired contains {"rank": 0, "action": "quarantine", "reason": sprintf("i
 
 decision_fired contains {"rank": 1, "action": "quarantine", "reason": msg} if {
 	decision_input_ok
-	msg := sprintf("quarantined_content: content %s was quarantined earlier in session %v (channel %s)", [quarantined_digest, input.session.id, decision_channel])
+	some digest in quarantined_digest
+	msg := sprintf("quarantined_content: content %s was quarantined earlier in session %v (channel %s)", [digest, input.session.id, decision_channel])
 }
 
 # The exact-bytes hash when it was quarantined, else the normalised form's (one reason, not two).
-quarantined_digest := input.content_sha256 if {
-	input.content_sha256 in object.get(input.session, "quarantined_hashes", [])
-} else := sprintf("%s (normalised)", [input.content_norm_sha256]) if {
-	input.content_norm_sha256 in object.get(input.session, "quarantined_hashes", [])
+# (A set without `else`: regorus' compiled VM turns an undefined else-chain into an undefined
+# decision.)
+quarantined_list := object.get(object.get(input, "session", {}), "quarantined_hashes", [])
+
+exact_quarantined if object.get(input, "content_sha256", null) in quarantined_list
+
+quarantined_digest contains input.content_sha256 if exact_quarantined
+
+quarantined_digest contains sprintf("%s (normalised)", [input.content_norm_sha256]) if {
+	not exact_quarantined
+	object.get(input, "content_norm_sha256", null) in quarantined_list
 }
 
 decision_fired contains {"rank": 1, "action": "quarantine", "reason": msg} if {

@@ -240,3 +240,25 @@ def test_unknown_backend_and_bad_opa_url_are_refused():
         PolicyEngine(backend="opa", opa_url="127.0.0.1:8181/v1")
     with pytest.raises(PolicyError, match="not found"):
         PolicyEngine(SHIPPED_BUNDLE_DIR / "missing")
+
+
+@pytest.mark.parametrize("extra", [{}, {"content_sha256": "a" * 64},
+                                   {"content_sha256": "a" * 64, "content_norm_sha256": "b" * 64,
+                                    "session": {"id": "s", "age_s": 0, "tokens": 0, "quarantined_hashes": ["b" * 64]}},
+                                   {"tool": {"name": "x", "claimed_name": "X-Y", "verified": False, "source": "client",
+                                             "folded": ["x_y"]}}],
+                         ids=["mcp-no-hashes", "exact-hash", "normalised-hash", "folded-tool"])
+def test_the_compiled_vm_defines_the_decision_the_interpreter_defines(extra):
+    """The VM answers undefined where the interpreter answers (regorus' VM and an `else` chain
+    that ends undefined): the engine then falls back and logs, but a conflict the VM would have
+    reported is lost. Every shipped input shape must be answered by the VM itself."""
+    from policies.backends import compile_vm, dumps_input
+    from policies.bundle import load_bundle
+
+    compiled = compile_vm(load_bundle(SHIPPED_BUNDLE_DIR))
+    base = {"tenant": "acme", "user": None, "channel": "mcp", "upstream": "fx", "phase": "result",
+            "tool": {"name": "fx__weather", "claimed_name": "fx__weather", "verified": True, "source": "mcp"},
+            "session": {"id": "none", "age_s": 0, "tokens": 0}, "span": {"bytes": 10, "tokens": 3},
+            "gate": {"injection": 0.0, "secret": 0.0, "findings": []}}
+    compiled.vm.set_input_json(dumps_input({**base, **extra}))
+    assert compiled.vm.execute_entry_point("data.lethe.decision") != '"<undefined>"'
