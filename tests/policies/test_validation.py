@@ -90,8 +90,10 @@ def test_a_policy_that_keeps_secrets_is_refused(make_bundle):
 
 
 def test_a_policy_that_ignores_quarantined_hashes_is_refused(make_bundle):
-    rego = (SHIPPED_BUNDLE_DIR / "decision.rego").read_text().replace(
-        'input.content_sha256 in object.get(input.session, "quarantined_hashes", [])', "false")
+    shipped = (SHIPPED_BUNDLE_DIR / "decision.rego").read_text()
+    ignored = 'quarantined_list := object.get(object.get(input, "session", {}), "quarantined_hashes", [])'
+    assert ignored in shipped  # the rule this test breaks is still spelt so
+    rego = shipped.replace(ignored, "quarantined_list := []")
     engine = PolicyEngine(make_bundle())
     _assert_refused_and_kept(engine, make_bundle(replace={"decision.rego": rego}),
                              "a quarantined result re-sent as user text gives 'allow'")
