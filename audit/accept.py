@@ -172,9 +172,10 @@ def _erasures(witnesses: tuple[Any, ...], span: tuple[tuple[int, ...], tuple[int
     """``rules._erasure_errors``, a column at a time: zero deltas, equal digests, true flags, and
     spans that are sorted, non-empty, include the record's span and fit in the tokens."""
     w = _columns(witnesses)
-    if w is None or not all(name in w for name in (*MAX_DELTAS, "digest_edited", "digest_reference", "equal", "tokens", "spans")):
+    required = (*MAX_DELTAS, "digest_edited", "digest_reference", "equal", "argmax_equal", "kind", "tokens", "spans")
+    if w is None or not all(name in w for name in required):
         return False
-    if set(w.get("kind", ("never-saw",))) != {"never-saw"} or not all(_zeros(w[name]) for name in MAX_DELTAS):
+    if set(w["kind"]) != {"never-saw"} or not all(_zeros(w[name]) for name in MAX_DELTAS):
         return False
     edited = w["digest_edited"]
     if not _strings(edited) or "" in edited or edited != w["digest_reference"]:

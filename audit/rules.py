@@ -63,8 +63,10 @@ def _spans(v: Any) -> list[tuple[int, int]] | None:
 
 def _erasure_errors(kind: str, w: Mapping[str, Any], body: Mapping[str, Any]) -> list[str]:
     errors = []
-    if w.get("kind", "never-saw") != "never-saw":
-        errors.append(f"witness kind {w.get('kind')!r} is not a never-saw witness")
+    if "kind" not in w:
+        errors.append("witness kind missing: an erasure carries a never-saw witness")
+    elif w["kind"] != "never-saw":
+        errors.append(f"witness kind {w['kind']!r} is not a never-saw witness")
     for name in MAX_DELTAS:
         delta = w.get(name, _MISSING)
         if delta is _MISSING:
@@ -78,9 +80,10 @@ def _erasure_errors(kind: str, w: Mapping[str, Any], body: Mapping[str, Any]) ->
         errors.append(f"digest_edited {edited} != digest_reference {reference}")
     if w.get("equal") is not True:
         errors.append(f"equal = {w.get('equal')!r}, expected true")
-    for flag in ("argmax_equal", "never_saw"):
-        if w.get(flag, True) is not True:
-            errors.append(f"{flag} = {w[flag]!r}, expected true")
+    if w.get("argmax_equal") is not True:  # the kernel always measures it: absent proves nothing
+        errors.append(f"argmax_equal = {w.get('argmax_equal')!r}, expected true")
+    if w.get("never_saw", True) is not True:  # only amortize witnesses carry it (false)
+        errors.append(f"never_saw = {w['never_saw']!r}, expected true")
     tokens = w.get("tokens")
     if not (_is_int(tokens) and tokens >= 0):
         errors.append("tokens (the surviving token count) must be a non-negative integer")

@@ -47,6 +47,7 @@ import base64
 import gc
 import os
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -521,19 +522,42 @@ def verify_erasure_proof(proof: dict | Path | str, *, public_key_pem: str | None
 
 # --- from a gateway ----------------------------------------------------------------------------
 
-def _fetch(url: str, api_key: str, client: Any) -> Any:
+MAX_EXPORT_BYTES = 2 << 30  # ~2 million records; a bigger log is fetched with `lethe audit export`
+FETCH_DEADLINE_S = 600.0  # the whole download, however slowly the server sends
+
+
+def _fetch(url: str, api_key: str, client: Any, max_bytes: int, deadline_s: float) -> Any:
+    """The export's bytes, streamed with a size cap and an overall deadline: the server being
+    audited must not be able to exhaust the auditor's memory or hold the verifier forever."""
     import httpx  # only this entry point needs it
 
     endpoint = url.rstrip("/") + "/v1/audit/export"
+    where = f"--url {endpoint}"
     try:
-        with client or httpx.Client(timeout=300.0) as http:
-            response = http.get(endpoint, headers={"Authorization": f"Bearer {api_key}"})
+        with client or httpx.Client(timeout=60.0) as http, \
+                http.stream("GET", endpoint, headers={"Authorization": f"Bearer {api_key}"}) as response:
+            if response.status_code != 200:
+                hint = "; give an admin API key (--api-key or LETHE_API_KEY)" if response.status_code in (401, 403) else ""
+                raise Malformed(where, f"answered HTTP {response.status_code} {response.reason_phrase}{hint}")
+            body = _capped_body(response.iter_bytes(), where, max_bytes, time.monotonic() + deadline_s)
+    except Malformed:
+        raise
     except (httpx.HTTPError, ValueError) as e:  # unreachable, timed out, or not a URL
-        raise Malformed(f"--url {endpoint}", f"cannot fetch the export ({type(e).__name__}: {e})") from None
-    if response.status_code != 200:
-        hint = "; give an admin API key (--api-key or LETHE_API_KEY)" if response.status_code in (401, 403) else ""
-        raise Malformed(f"--url {endpoint}", f"answered HTTP {response.status_code} {response.reason_phrase}{hint}")
-    return load_json(response.content, f"reply of {endpoint}")
+        raise Malformed(where, f"cannot fetch the export ({type(e).__name__}: {e})") from None
+    return load_json(body, f"reply of {endpoint}")
+
+
+def _capped_body(chunks: Any, where: str, max_bytes: int, deadline: float) -> bytes:
+    body = bytearray()
+    for chunk in chunks:
+        body += chunk
+        if len(body) > max_bytes:
+            raise Malformed(where, f"sent more than {max_bytes} bytes; fetch a log this large with "
+                                   "`lethe audit export --out F` and verify it with --export F")
+        if time.monotonic() > deadline:
+            raise Malformed(where, "did not finish sending the export in time; fetch it with "
+                                   "`lethe audit export --out F` and verify it with --export F")
+    return bytes(body)
 
 
 def verify_url(
@@ -544,13 +568,16 @@ def verify_url(
     public_key_pem: str | None = None,
     no_anchor: bool = False,
     client: Any = None,
+    max_bytes: int = MAX_EXPORT_BYTES,
+    deadline_s: float = FETCH_DEADLINE_S,
 ) -> VerifyReport:
     """Fetch ``GET {url}/v1/audit/export`` with an admin key and verify it like ``verify_export``.
 
-    ``client`` is an ``httpx.Client`` to use (a test client, a proxy); by default a new one.
+    ``client`` is an ``httpx.Client`` to use (a test client, a proxy); by default a new one. A reply
+    over ``max_bytes`` or still arriving after ``deadline_s`` is refused.
     """
     try:
-        doc = _fetch(url, api_key, client)
+        doc = _fetch(url, api_key, client, max_bytes, deadline_s)
     except Malformed as e:
         return VerifyReport().refuse(e)
     if not isinstance(doc, dict):

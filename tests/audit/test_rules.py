@@ -38,6 +38,8 @@ ERASURE_WITNESS_FAULTS = [
     ("equal_false", _set(equal=False), "equal = False, expected true"),
     ("equal_missing", _drop("equal"), "equal = None, expected true"),
     ("argmax_differs", _set(argmax_equal=False), "argmax_equal = False, expected true"),
+    ("argmax_missing", _drop("argmax_equal"), "argmax_equal = None, expected true"),  # red team 14 F1
+    ("kind_missing", _drop("kind"), "witness kind missing: an erasure carries a never-saw witness"),  # F2
     ("says_not_never_saw", _set(never_saw=False), "never_saw = False, expected true"),
     ("amortize_witness_kind", _set(kind="amortize"), "witness kind 'amortize' is not a never-saw witness"),
     ("spans_of_another_erasure", _set(spans=[[40, 45]]), "is not among the witness's spans [[40, 45]] (a witness of another erasure)"),

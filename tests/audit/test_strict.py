@@ -6,8 +6,11 @@ reordered JSON) gets a clean verdict, and only a mutation that changes nothing v
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -215,3 +218,51 @@ def test_any_mutation_of_a_valid_export_gets_a_clean_verdict(honest, tmp_path, d
         assert {**got, "checkpoints": None} == {**original, "checkpoints": None}
         assert got["checkpoints"][-1] == original["checkpoints"][-1]
         assert set(got["checkpoints"]) <= set(original["checkpoints"])
+
+
+def _hostile_server(send_body) -> tuple[str, threading.Thread]:
+    """A raw socket server answering one GET with 200 and a chunked body from `send_body(conn)`."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1)
+
+    def serve() -> None:
+        conn, _ = sock.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+            try:
+                send_body(conn)
+            except OSError:  # the verifier hung up: what it should do
+                pass
+        sock.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", thread
+
+
+def _flood(conn: socket.socket) -> None:
+    chunk = b" " * 65536
+    while True:
+        conn.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+
+
+def _drip(conn: socket.socket) -> None:
+    while True:
+        conn.sendall(b"1\r\n \r\n")
+        time.sleep(0.2)
+
+
+def test_a_gateway_that_sends_without_end_is_cut_off_at_the_size_cap():
+    url, thread = _hostile_server(_flood)
+    report = verify_url(url, api_key="k", max_bytes=4 << 20)
+    assert report.exit_code == 2 and "sent more than 4194304 bytes" in report.errors[0], report.errors
+    thread.join(10)
+
+
+def test_a_gateway_that_drips_its_export_is_cut_off_at_the_deadline():
+    url, thread = _hostile_server(_drip)
+    report = verify_url(url, api_key="k", deadline_s=1.0)
+    assert report.exit_code == 2 and "did not finish sending the export in time" in report.errors[0], report.errors
+    thread.join(10)
