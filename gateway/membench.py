@@ -3,8 +3,8 @@
 What it checks, on a real gateway on loopback with the configured model: every request answers
 200, or 503 `kv_budget_exhausted` with Retry-After (the client then waits and retries; the count of
 each is reported with the overload: what the sessions need against the budget); RSS stays within
-the budget plus a stated overhead over the process before the load (`memstat.overhead_bytes`, with
-one turn thread per concurrent client);
+the budget plus a stated overhead over the process before the load (`memstat.overhead_bytes`, for
+the turn threads the load brought up);
 every session's ledger holds its messages in order; every restore is verified (digest at
 eviction), and at the end sampled offloaded sessions are restored and compared with a fresh
 prefill of their tokens (exact: equal digests). Then one long session: a verified restore from the
@@ -292,7 +292,8 @@ def run_memory_bench(settings: Settings, *, sessions: int = 200, turns: int = 3,
         metrics = gw.p.metrics
         exactness = _exact_restores(gw, agents, sample)
         long = restore_vs_rebuild(gw, lg.base, lg.key, long_tokens, reps)
-        overhead = overhead_bytes(concurrency)
+        turn_threads = sum(t.name.startswith("turn") for t in threading.enumerate())  # they never exit
+        overhead = overhead_bytes(turn_threads)
         allowed = baseline + budget + overhead
         return {
             "sessions": sessions, "turns": turns, "rows_per_tool_result": rows, "max_tokens": max_tokens,
@@ -309,7 +310,7 @@ def run_memory_bench(settings: Settings, *, sessions: int = 200, turns: int = 3,
             "sessions_failed": [f"{a.n}: {a.problem}" for a in agents if a.problem][:10],
             "ledgers_intact": sum(1 for a in agents if not a.problem),
             "rss": {"baseline_bytes": baseline, "peak_bytes": progress.peak, "budget_bytes": budget,
-                    "overhead_bytes": overhead, "allowed_bytes": allowed,
+                    "turn_threads": turn_threads, "overhead_bytes": overhead, "allowed_bytes": allowed,
                     "within_budget_plus_overhead": progress.peak <= allowed,
                     "peak_over_baseline_plus_budget_bytes": progress.peak - baseline - budget,
                     "accounted_kv_peak_bytes": gw.residency.peak},

@@ -406,7 +406,7 @@ class Pipeline:
         key = PrefixCache.key(live.record.salt_scope or "", system)
         cached = self.prefixes.get(key)
         if cached is not None:
-            cached.reserve(live.cache.capacity)  # the room the turn reserved moves with it
+            self._compute(cached.reserve, live.cache.capacity)  # the room the turn reserved moves with it
             live.cache.wipe()
             live.cache = cached
         else:

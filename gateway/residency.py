@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 from typing import Any
 
@@ -52,7 +52,8 @@ class Residency:
 
     def __init__(self, *, kernel: Kernel, ledger: Ledger, policy: PolicyEngine, metrics: Metrics,
                  sessions: Sessions, budget_bytes: int, offload: Offload | None,
-                 offload_min_priority: int | None = None, retry_after_s: int = 2) -> None:
+                 offload_min_priority: int | None = None, retry_after_s: int = 2,
+                 compute: Callable[..., Any] = lambda fn, *args: fn(*args)) -> None:
         self._kernel = kernel
         self._ledger = ledger
         self._policy = policy
@@ -62,6 +63,7 @@ class Residency:
         self.offload = offload
         self._offload_min = offload_min_priority
         self._retry_after = retry_after_s
+        self._compute = compute  # buffer moves run on the model thread, one at a time (see reserve)
         self._lock = threading.RLock()
         self._room = threading.Condition(self._lock)  # notified when an eviction ends or a turn settles
         self._leaving: dict[str, int] = {}  # sessions being evicted now -> the bytes they still hold
@@ -114,16 +116,21 @@ class Residency:
         return self.offload.copy_of(live.record.id) if self.offload is not None else None
 
     def reserve(self, live: LiveSession, tokens: int) -> None:
-        """Make room for `live` to hold `tokens` tokens (evicting others), then size its buffer."""
+        """Make room for `live` to hold `tokens` tokens (evicting others), then size its buffer.
+
+        Moving a buffer holds the old and the new one for a moment, memory the claim does not
+        count; run on the model thread, such moves happen one at a time, so their transient is
+        one session's buffer at most, not one per concurrent turn (red team: RSS peaks past the
+        budget under concurrent turns)."""
         self._make_room(live, live.cache.bytes_for(tokens))
-        live.cache.reserve(tokens)
+        self._compute(live.cache.reserve, tokens)
 
     def settle(self, live: LiveSession) -> None:
         """At turn end (lock held): trim the buffer to what is held, note the ledger mark, the
         priorities and the time, and give the reservation back."""
         try:
             if not live.cache.staged:
-                live.cache.fit()
+                self._compute(live.cache.fit)  # a buffer move (see reserve)
             segments = self._ledger.segments(live.record.id)
             live.ledger_mark = ledger_mark(segments) if len(live.cache) else None
             live.priority = self._priority(live, segments)
