@@ -12,7 +12,7 @@ forward pass). glibc also gives each thread that contends for the heap an arena 
 8 per core), each keeping its own freed pages: capped at 2, the freed pages of many turn threads
 are pooled instead of multiplied. `trim` hands the free pages in the middle of the heaps back
 (malloc_trim, 1-70 ms), which the heap's own top-only trimming never does; the gateway calls it
-when the last running turn ends.
+when the last running turn ends and every `service.TRIM_EVERY` turns.
 
 The stated overhead (`overhead_bytes`): what the process may hold beyond the KV budget under load,
 over what it held before the load (after start-up and one warm turn): a fixed part (the model

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -106,3 +108,22 @@ def honest(tmp_path, signer) -> Iterator[tuple[AuditLog, dict[str, Any], Path]]:
     (tmp_path / "genesis.pem").write_text(signer.public_key_pem)
     yield log, json.loads((tmp_path / "export.json").read_text()), tmp_path / "export.json"
     log.close()
+
+
+@pytest.fixture
+def two_processes() -> Callable[..., dict[str, Any]]:
+    """``verify_export(path, workers=2)`` in a fresh interpreter (errors, checked, anchor, processes):
+    the verifier forks only a one-threaded process, and in a whole test run earlier tests leave
+    threads in this one."""
+    return _two_processes
+
+
+_TWO = ("import json, pathlib, sys; from audit.verify import verify_export; a = json.load(sys.stdin); "
+        "r = verify_export(pathlib.Path(a.pop('path')), workers=2, **a); "
+        "print(json.dumps({'errors': r.errors, 'checked': r.checked, 'anchor': r.anchor, 'processes': r.processes}))")
+
+
+def _two_processes(path: Any, **kwargs: Any) -> dict[str, Any]:
+    done = subprocess.run([sys.executable, "-c", _TWO], input=json.dumps({"path": str(path), **kwargs}),
+                          capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.splitlines()[-1])

@@ -4,8 +4,6 @@ from __future__ import annotations
 import base64
 import copy
 import json
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,17 +18,6 @@ from audit.verify import NO_ANCHOR, verify_export
 
 N = 40  # records; batch_size 8 gives checkpoints at 8, 16, 24, 32, 40
 
-_TWO = ("import json, pathlib, sys; from audit.verify import verify_export; a = json.load(sys.stdin); "
-        "r = verify_export(pathlib.Path(a.pop('path')), workers=2, **a); "
-        "print(json.dumps({'errors': r.errors, 'checked': r.checked, 'anchor': r.anchor, 'processes': r.processes}))")
-
-
-def _two_processes(path: Any, **kwargs: Any) -> dict[str, Any]:
-    """``verify_export(path, workers=2)`` in a fresh interpreter: the verifier forks only a
-    one-threaded process, and in a whole test run earlier tests leave threads in this one."""
-    done = subprocess.run([sys.executable, "-c", _TWO], input=json.dumps({"path": str(path), **kwargs}),
-                          capture_output=True, text=True, check=True)
-    return json.loads(done.stdout.splitlines()[-1])
 
 
 @pytest.fixture
@@ -150,14 +137,15 @@ def test_untampered_export_verifies(export, filled, signer):
 
 
 @pytest.mark.parametrize("tamper, expected", EXPORT_TAMPERS, ids=[t.__name__ for t, _ in EXPORT_TAMPERS])
-def test_tampered_export_is_detected_alike_in_one_process_or_two(export, filled, signer, forge, tmp_path, tamper, expected):
+def test_tampered_export_is_detected_alike_in_one_process_or_two(export, filled, signer, forge, tmp_path, tamper, expected,
+                                                                 two_processes):
     doc = copy.deepcopy(export)
     tamper(doc)
     path = tmp_path / "tampered.json"
     path.write_bytes(forge.lay_out(doc))  # in the log's layout: read by the fast reader, in one process or two
     report, one = (verify_export(source, trusted_checkpoint=filled[1], public_key_pem=signer.public_key_pem, workers=1)
                    for source in (doc, path))
-    two = _two_processes(path, trusted_checkpoint=filled[1], public_key_pem=signer.public_key_pem)
+    two = two_processes(path, trusted_checkpoint=filled[1], public_key_pem=signer.public_key_pem)
     assert not report.ok
     assert any(e.startswith(expected) for e in report.errors), report.errors
     assert (one.processes, two["processes"]) == (1, 2)
@@ -293,7 +281,7 @@ def test_tampered_database_is_detected(filled, sqlite_url, signer, tmp_path, tam
     assert any(e.startswith(expected) for e in report.errors), report.errors
 
 
-def test_a_forged_key_rotation_is_detected(sqlite_url, signer, record, forge, tmp_path):
+def test_a_forged_key_rotation_is_detected(sqlite_url, signer, record, forge, tmp_path, two_processes):
     log = AuditLog(sqlite_url, signer, batch_size=4)
     log.append_many([record(i) for i in range(3)])
     new = Signer.generate()
@@ -308,7 +296,7 @@ def test_a_forged_key_rotation_is_detected(sqlite_url, signer, record, forge, tm
     _rehash(doc["records"][r])
     path = tmp_path / "forged.json"
     path.write_bytes(forge.lay_out(doc))
-    report, two = verify_export(doc, public_key_pem=signer.public_key_pem), _two_processes(path, public_key_pem=signer.public_key_pem)
+    report, two = verify_export(doc, public_key_pem=signer.public_key_pem), two_processes(path, public_key_pem=signer.public_key_pem)
     assert any(e.startswith(f"record {r}: key rotation: hand-over is not signed by the old key") for e in report.errors)
     assert any(e.startswith(f"checkpoint {doc['size']}: signature") for e in report.errors)  # the new key never took over
     assert two["processes"] == 2 and (two["errors"], two["checked"]) == (report.errors, report.checked)  # the same words, in order
