@@ -273,7 +273,6 @@ def _check_record(report: VerifyReport, position: int, rec: Mapping[str, Any]) -
 # --- an export ---------------------------------------------------------------------------------
 
 _Signed = dict[tuple[str, bytes], "str | None"]  # (note, public key) -> why its signature fails, or None
-_UNCHECKED = "unchecked"
 
 
 def _signature_error(cp: Checkpoint, verifier: NoteVerifier) -> str | None:
@@ -376,9 +375,8 @@ class _ExportCheck:
         if cp.origin != self.origin:
             self.report.errors.append(f"{label} {cp.size}: origin {cp.origin!r} is not the log's {self.origin!r}")
             return False
-        error = self.signed.get((cp.note, verifier.raw), _UNCHECKED)
-        if error == _UNCHECKED:
-            error = _signature_error(cp, verifier)
+        key = (cp.note, verifier.raw)
+        error = self.signed[key] if key in self.signed else _signature_error(cp, verifier)
         if error is not None:
             self.report.errors.append(f"{label} {cp.size}: signature: {error}")
             return False

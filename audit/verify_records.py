@@ -79,9 +79,6 @@ class Findings:
     notes: dict[int, Note] = field(default_factory=dict)
     processes: int = 1
 
-    def leaf(self, position: int) -> bytes:
-        return self.leaves[32 * position : 32 * position + 32]
-
 
 # --- one record --------------------------------------------------------------------------------
 
@@ -186,10 +183,12 @@ def _can_fork() -> bool:
 def _forked(work: Callable[[], Findings | None]) -> Callable[..., Findings | None]:
     """Start ``work`` in a forked process; return the function that waits for its result (None if
     the fork failed, or the process died or found nothing), or with ``cancel`` ends it."""
+    read_end, write_end = os.pipe()
     try:
-        read_end, write_end = os.pipe()
         pid = os.fork()
     except OSError:  # no process to be had (EAGAIN, ENOMEM): this one reads that part itself
+        os.close(read_end)
+        os.close(write_end)
         return lambda cancel=False: None
     if pid == 0:  # the forked process: leaves without cleaning up (the OS frees it all)
         code = 1

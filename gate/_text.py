@@ -288,6 +288,12 @@ def detection_view(doc: Decoded) -> View:
     return replace(view, alt=_reading(doc, _replacements(unique, alt=True))) if _needs_alt(unique) else view
 
 
+def normalised(data: bytes) -> str:
+    """The text the gate's detectors read for ``data`` (``detection_view``'s first reading): for
+    callers outside the gate that must compare content as the gate sees it."""
+    return detection_view(decode(data)).text
+
+
 def _needs_alt(unique: np.ndarray) -> bool:
     """Whether the text holds a separator or a combining mark that is not ignorable: only those make
     the two readings differ in a way that hides a word or token. Precomposed accents alone (any

@@ -76,9 +76,10 @@ class Gate:
         return report
 
 
-    def scan_joined(self, parts: Sequence[bytes], *, window: int = JOIN_WINDOW) -> tuple[GateReport, ...]:
+    def scan_joined(self, parts: Sequence[bytes], *, window: int = JOIN_WINDOW,
+                    own: Sequence[GateReport] | None = None) -> tuple[GateReport, ...]:
         """Adjacent untrusted parts scored alone and joined (see gate/joined.py for the window)."""
-        return scan_joined(self, parts, window=window)
+        return scan_joined(self, parts, window=window, own=own)
 
 
 def _with_global_allowlist(rule: SecretRule, allow: Allowlist) -> SecretRule:

@@ -49,10 +49,12 @@ def _clip(f: Finding, lo: int, hi: int) -> Finding:
     return replace(f, byte_start=max(f.byte_start, lo) - lo, byte_end=min(f.byte_end, hi) - lo)
 
 
-def scan_joined(gate: Gate, parts: Sequence[bytes], *, window: int = JOIN_WINDOW) -> tuple[GateReport, ...]:
-    """One report per part (offsets into that part), each with the cross-boundary evidence added."""
+def scan_joined(gate: Gate, parts: Sequence[bytes], *, window: int = JOIN_WINDOW,
+                own: Sequence[GateReport] | None = None) -> tuple[GateReport, ...]:
+    """One report per part (offsets into that part), each with the cross-boundary evidence added.
+    ``own``: the parts' reports alone, where the caller has them already (else scanned here)."""
     parts = [p.encode("utf-8", "surrogatepass") if isinstance(p, str) else bytes(p) for p in parts]
-    own = [gate.scan(p) for p in parts]
+    own = list(own) if own is not None else [gate.scan(p) for p in parts]
     extra: list[list[Finding]] = [[] for _ in parts]
     history = b""
     starts: list[int] = []  # where each earlier part begins in `history`

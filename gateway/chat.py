@@ -16,7 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from gate._text import decode, detection_view  # the gate's own normalisation, not a second copy
+from gate import normalised  # the gate's own normalisation, not a second copy
+
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -163,8 +164,7 @@ def normalised_sha256(raw: bytes) -> str:
     again by this hash as well as by its exact bytes, so a trailing space, a line break added or
     CRLF for LF, an NBSP, a zero-width space or one fullwidth letter does not make it new (red team
     #13 F3)."""
-    text = detection_view(decode(raw)).text
-    return hashlib.sha256(_SPACE.sub("", text).encode("utf-8", "surrogatepass")).hexdigest()
+    return hashlib.sha256(_SPACE.sub("", normalised(raw)).encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def name_folds(*names: str | None) -> tuple[str, ...]:
@@ -172,7 +172,7 @@ def name_folds(*names: str | None) -> tuple[str, ...]:
     of each tool name it changes, so `blocked_tools` also match a fullwidth, zero-width or
     homoglyph spelling of a blocked name (red team #13 F7; decision.rego's tool_key does case
     and separators)."""
-    folds = {detection_view(decode(n.encode("utf-8", "surrogatepass"))).text for n in names if n}
+    folds = {normalised(n.encode("utf-8", "surrogatepass")) for n in names if n}
     return tuple(sorted(folds - set(names)))
 
 

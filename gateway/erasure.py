@@ -182,12 +182,16 @@ class Erasure:
                 done.append(self._forget_owed(live, intent))
         return done
 
+    def _owed(self, live: LiveSession, intent: Intent) -> tuple[dict[str, Segment], list[Segment]]:
+        """The session's segments by id, and those of them the intent names (gone ones skipped)."""
+        with fails_as("ledger"):
+            current = {s.id: s for s in self.ledger.segments(live.record.id)}
+        return current, [current[i] for i in intent.payload["segments"] if i in current]
+
     def _forget_owed(self, live: LiveSession, intent: Intent) -> dict[str, Any]:
         """A forget a turn owes, keyed to its intent (a cache lost with the process is rebuilt
         from the ledger first: see `forget`)."""
-        with fails_as("ledger"):
-            current = {s.id: s for s in self.ledger.segments(live.record.id)}
-        segments = [current[i] for i in intent.payload["segments"] if i in current]
+        _, segments = self._owed(live, intent)
         return self.forget(live, segments, kind="forget", actor="policy", decisions=intent.payload["decisions"],
                            intent=intent)
 
@@ -196,9 +200,7 @@ class Erasure:
         rebuilt from the ledger first; if it cannot be (the ledger no longer renders to its own
         token counts), the content is erased instead (`content-erase`): stronger than the splice
         the policy asked for, never weaker. Segments already amortized only get their record."""
-        with fails_as("ledger"):
-            current = {s.id: s for s in self.ledger.segments(live.record.id)}
-        segments = [current[i] for i in intent.payload["segments"] if i in current]
+        current, segments = self._owed(live, intent)
         todo = [s for s in segments if s.state is SegmentState.LIVE and s.n_tokens]
         if todo and not len(live.cache) and not self.rebuild(live, list(current.values())):
             return [self.forget(live, todo, kind=CONTENT_ERASE, actor="policy", intent=intent)]

@@ -84,8 +84,11 @@ def _post(http: httpx.Client, agent: Agent, max_tokens: int, retries: int) -> ht
     return None
 
 
-def _turn(http: httpx.Client, agent: Agent, turn: int, rows: int, max_tokens: int, retries: int,
-          content: str | None = None) -> None:
+def _client(base: str, key: str) -> httpx.Client:
+    return httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=900)
+
+
+def _turn(http: httpx.Client, agent: Agent, turn: int, rows: int, max_tokens: int, retries: int) -> None:
     """One turn: a tool call and its result, then the reply (the last reply reaches the ledger
     only with a next turn)."""
     if agent.problem:
@@ -93,7 +96,7 @@ def _turn(http: httpx.Client, agent: Agent, turn: int, rows: int, max_tokens: in
     call = f"c{turn}"
     agent.messages += [{"role": "assistant", "content": None, "tool_calls": [
         {"id": call, "type": "function", "function": {"name": "inventory", "arguments": "{}"}}]},
-        {"role": "tool", "tool_call_id": call, "content": content or _tool_result(agent.n, turn, rows)}]
+        {"role": "tool", "tool_call_id": call, "content": _tool_result(agent.n, turn, rows)}]
     response = _post(http, agent, max_tokens, retries)
     if response is None or response.status_code != 200:
         agent.problem = f"turn {turn}: " + ("503 after retries" if response is None else
@@ -119,7 +122,7 @@ def _run_agents(base: str, key: str, agents: list[Agent], *, turns: int, rows: i
 
     def client() -> httpx.Client:
         if not hasattr(local, "http"):
-            local.http = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=900)
+            local.http = _client(base, key)
             clients.append(local.http)
         return local.http  # type: ignore[no-any-return]
 
@@ -218,7 +221,7 @@ def restore_vs_rebuild(gw: Gateway, base: str, key: str, tokens: int, reps: int)
     agent = Agent(-1)
     agent.start()
     rows = max(1, tokens // 25)  # a row is about 25 tokens
-    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=900) as http:
+    with _client(base, key) as http:
         _turn(http, agent, 0, rows, 1, retries=20)
     if agent.problem:
         raise RuntimeError(f"the long session failed: {agent.problem}")
@@ -253,7 +256,7 @@ def _session_bytes(gw: Gateway, base: str, key: str, turns: int, rows: int, max_
     """What one finished session holds (measured: one agent run to the end, then released)."""
     agent = Agent(-1)
     agent.start()
-    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=900) as http:
+    with _client(base, key) as http:
         for turn in range(turns):
             _turn(http, agent, turn, rows, max_tokens, retries=0)
     if agent.problem:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 from pathlib import Path
@@ -160,6 +160,14 @@ def _identity(calls: list[tuple[str, str]], issued: dict[str, str]) -> dict[str,
         return tool_identity(claimed, source="client", claimed_name=claimed, folded=folded)
     name = ",".join(r for r in recorded if r is not None)
     return tool_identity(name, source="gateway", claimed_name=claimed, verified=name == claimed, folded=folded)
+
+
+def _kept_identity(identity: dict[str, Any], kept: dict[str, str]) -> dict[str, Any]:
+    """`input.tool` as the segment's meta keeps it: every name as `_kept_names` keeps it."""
+    out = {k: kept.get(v, v) if k in ("name", "claimed_name") else v for k, v in identity.items()}
+    if "folded" in out:
+        out["folded"] = [kept.get(n, n) for n in out["folded"]]
+    return out
 
 
 @dataclass(frozen=True)
@@ -316,8 +324,7 @@ class Pipeline:
         channels = [channel_of(conv, m, tool_spec) for m in new]
         with fails_as("gate"):
             reports = self._scan(new, channels)
-            blind = [report.injection > alone.injection or report.normalised or alone.normalised
-                     for report, alone in reports]
+            blind = [report.injection > alone.injection or report.normalised for report, alone in reports]
         quarantined = self._quarantined_hashes(turn.live)
         with fails_as("ledger"):
             issued = self.p.ledger.tool_calls.names(turn.live.record.id)
@@ -361,7 +368,7 @@ class Pipeline:
         alone = [self.p.gate.scan(m.content, tool=m.tool) for m in run]
         if len(run) < 2:
             return list(zip(alone, alone))
-        joined = self.p.gate.scan_joined([m.content for m in run])
+        joined = self.p.gate.scan_joined([m.content for m in run], own=alone)
         return list(zip(joined, alone))  # a joined report holds the part's own findings and more
 
     def _quarantined_hashes(self, live: LiveSession) -> list[str]:
@@ -436,14 +443,14 @@ class Pipeline:
         tokens = self._decide(live, conv, m, decision.action, reason, screened)
         self.p.metrics.gate_verdicts.labels(verdict.label).inc()
         self.p.metrics.actions.labels(decision.action).inc()
-        tool = self._kept_name(m.tool)
+        kept = self._kept_names(m.tool, gated.tool)
+        tool = kept.get(m.tool or "", m.tool)
         action = Action(m.index - offset, None, tool, decision.action, decision.reasons, verdict.summary(),
                         channel=gated.channel)
-        row, audit = self._admission_rows(principal, live, m, tokens, verdict, screened, reason)
-        row = replace(row, tool=tool)
+        row, audit = self._admission_rows(principal, live, m, tool, tokens, verdict, screened, reason)
         row.meta["channel"] = gated.channel
         if gated.tool is not None:
-            row.meta["tool_identity"] = self._kept_identity(gated.tool)
+            row.meta["tool_identity"] = _kept_identity(gated.tool, kept)
         action.overhead_ms = own.seconds * 1e3
         self.p.metrics.overhead_seconds.observe(own.seconds)
         log.info("tool.admitted", session=live.record.id, tool=tool, action=decision.action,
@@ -453,20 +460,17 @@ class Pipeline:
             action = None  # reported are tool results, and what the gate changed on other channels
         return Staged(row, action, conv.stub(m.index, reason) if decision.action == "amortize" else (), audit)
 
-    def _kept_name(self, name: str | None) -> str | None:
-        """A tool name as the ledger, the response and the logs keep it. The client chooses tool
-        names, so one can carry a secret: such a name is kept as a placeholder naming the rule,
-        never raw (red team #13 F6). The policy still saw the name itself."""
-        if not name:
-            return name
-        hits = [f for f in self.p.gate.scan(name.encode("utf-8", "surrogatepass")).findings if f.kind == "secret"]
-        return f"[REDACTED:{hits[0].rule_id}]" if hits else name
-
-    def _kept_identity(self, identity: dict[str, Any]) -> dict[str, Any]:
-        """`input.tool` as the segment's meta keeps it: every name through `_kept_name`."""
-        kept = {k: self._kept_name(v) if k in ("name", "claimed_name") else v for k, v in identity.items()}
-        if "folded" in kept:
-            kept["folded"] = [self._kept_name(n) for n in kept["folded"]]
+    def _kept_names(self, name: str | None, identity: dict[str, Any] | None) -> dict[str, str]:
+        """Each distinct tool name of a result (its own, its identity's) as the ledger, the response
+        and the logs keep it. The client chooses tool names, so one can carry a secret: such a name
+        is kept as a placeholder naming the rule, never raw (red team #13 F6). The policy still saw
+        the name itself. One scan per distinct name."""
+        ident = identity or {}
+        names = {name, ident.get("name"), ident.get("claimed_name"), *ident.get("folded", ())} - {None, ""}
+        kept: dict[str, str] = {}
+        for n in names:
+            hits = [f for f in self.p.gate.scan(n.encode("utf-8", "surrogatepass")).findings if f.kind == "secret"]
+            kept[n] = f"[REDACTED:{hits[0].rule_id}]" if hits else n
         return kept
 
     def _screen(self, principal: Principal, live: LiveSession, m: RenderedMessage, report: GateReport,
@@ -480,8 +484,9 @@ class Pipeline:
                             lambda rescan, _n: self._decision_input(principal, live, m, Verdict.of(rescan, None, None), gated))
 
     @staticmethod
-    def _admission_rows(principal: Principal, live: LiveSession, m: RenderedMessage, tokens: tuple[int, ...],
-                        verdict: Verdict, screened: Screened, reason: str) -> tuple[NewSegment, dict[str, Any] | None]:
+    def _admission_rows(principal: Principal, live: LiveSession, m: RenderedMessage, tool: str | None,
+                        tokens: tuple[int, ...], verdict: Verdict, screened: Screened,
+                        reason: str) -> tuple[NewSegment, dict[str, Any] | None]:
         """The ledger row and (for quarantine and redact) the audit body of one admitted tool result.
 
         A redacted segment stores only the redacted bytes; its gate summary is the re-scan's (so
@@ -497,7 +502,7 @@ class Pipeline:
         if redacted:
             meta.update(gate=screened.rescan.summary(), gate_original=verdict.summary(),  # type: ignore[union-attr]
                         redaction=red.to_dict())  # type: ignore[union-attr]
-        row = NewSegment(role=m.role, tool=m.tool, content=m.content, n_tokens=len(tokens),
+        row = NewSegment(role=m.role, tool=tool, content=m.content, n_tokens=len(tokens),
                          state=SegmentState.QUARANTINED if quarantined else SegmentState.LIVE,
                          data_class=data_class, meta=meta, replacement=red.data if redacted else None)  # type: ignore[union-attr]
         if not (quarantined or redacted):

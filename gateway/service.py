@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from typing import Any, Protocol
 
@@ -87,6 +88,7 @@ class Gateway:
         self._running = 0
         self._ended = 0  # turns ended, for TRIM_EVERY
         self._running_changed = threading.Condition()
+        self._trimmer = ThreadPoolExecutor(1, thread_name_prefix="heap-trim")  # off the reply's path
 
     @property
     def prefixes(self) -> PrefixCache:
@@ -138,8 +140,8 @@ class Gateway:
                 self._ended += 1
                 due = not self._running or not self._ended % TRIM_EVERY
                 self._running_changed.notify_all()
-            if due:  # the heaps' free pages back to the OS (1-70 ms; see memstat)
-                trim()
+            if due:  # the heaps' free pages back to the OS (1-70 ms; see memstat), after the reply
+                self._trimmer.submit(trim)
 
     def _record_tool_calls(self, session_id: str, channel: TurnChannel) -> None:
         """Record the calls the model made (id -> name) before the reply leaves: the results that

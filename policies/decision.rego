@@ -271,7 +271,7 @@ decision_valid contains "tool" if {
 decision_valid contains "content" if {
 	is_string(object.get(input, "content_sha256", ""))
 	is_string(object.get(input, "content_norm_sha256", ""))
-	hashes := object.get(object.get(input, "session", {}), "quarantined_hashes", [])
+	hashes := quarantined_list
 	is_array(hashes)
 	every h in hashes { is_string(h) }
 }
