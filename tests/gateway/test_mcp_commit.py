@@ -163,3 +163,90 @@ def test_a_writer_process_that_dies_fails_closed_and_is_replaced(tmp_path: Path)
     for n, [index] in committed.items():
         assert audit.get(index).body["n"] == n
     assert len(ledger.crossings.list("acme")) == len(committed) == audit.size
+
+
+def _writer_stores(tmp: Path) -> tuple[Proxy, WriterProcess, Ledger, AuditLog, Path]:
+    """`lethe mcp --http`'s arrangement: the event loop drives a writer process (LoopRecorder)."""
+    proxy, ledger, audit, db = _stores(tmp, "writer-process")
+    writer = proxy.guard.recorder._writer  # type: ignore[union-attr]
+    assert isinstance(writer, WriterProcess)
+    return proxy, writer, ledger, audit, db
+
+
+def test_a_writer_killed_with_a_batch_in_flight_fails_those_calls_and_the_next_is_committed(tmp_path: Path) -> None:
+    """The writer is SIGKILLed while it waits, inside its commit, for a write lock another
+    connection holds: the calls of that batch get errors (never their results) and none of their
+    records exist; calls queued behind it, and a later call, are committed by a new writer."""
+    proxy, writer, ledger, audit, db = _writer_stores(tmp_path)
+    killed = writer.pid
+    out: dict[int, tuple[Any, str | None]] = {}
+
+    async def one(i: int) -> None:
+        async with Client(proxy.server(lambda _ctx: ACME)) as client:
+            try:
+                out[i] = (await client.call_tool("fx__weather", {"city": f"city-{i}"}), None)
+            except Exception as exc:
+                out[i] = (None, str(exc))
+
+    async def go() -> None:
+        async with proxy.running():
+            async with Client(proxy.server(lambda _ctx: ACME)) as warm:
+                await warm.call_tool("fx__weather", {"city": "Oslo"})
+            lock = sqlite3.connect(db, isolation_level=None)
+            lock.execute("BEGIN IMMEDIATE")
+            async with anyio.create_task_group() as tg:
+                for i in range(CALLS):
+                    tg.start_soon(one, i)
+                with anyio.fail_after(60):
+                    while proxy.guard.recorder.in_flight == 0:  # a batch waits on the lock in the writer
+                        await anyio.sleep(0.01)
+                os.kill(killed, signal.SIGKILL)
+                with anyio.fail_after(60):
+                    while writer.pid == killed:  # the loop saw the pipe close and sent the next batch
+                        await anyio.sleep(0.01)
+                lock.execute("COMMIT")
+                lock.close()
+            async with Client(proxy.server(lambda _ctx: ACME)) as after:
+                out[CALLS] = (await after.call_tool("fx__weather", {"city": "Paris"}), None)
+
+    anyio.run(go)
+    failed = [e for r, e in out.values() if e is not None]
+    # the first call to reach its commit was sent alone (nothing was in flight); the rest queued behind it
+    [error] = [e for _, e in out.values() if e is not None]
+    assert "the decision could not be recorded (writer process died)" in error and "umbrella" not in error
+    stamps = [r.meta["io.lethe/decision"] for r, e in out.values() if e is None]
+    assert len(stamps) == CALLS and out[CALLS][1] is None and writer.pid != killed
+    warm_up = audit.get(0).body["crossing"]
+    crossings = {c.id for c in ledger.crossings.list("acme")}
+    assert crossings == {s["crossing"] for s in stamps} | {warm_up}  # none of the failed call's
+    assert audit.size == 2 * len(crossings)  # each committed call's call and result records, no others
+    _verifies(audit, tmp_path)
+
+
+def test_a_guard_thread_submits_through_the_loop_and_waits_for_the_same_commit(tmp_path: Path) -> None:
+    """A result over the inline size is decided on a guard thread, which hands its records to the
+    loop's recorder; small calls committed meanwhile on the loop share the writer. Each result
+    is shown only with its records durable."""
+    proxy, _writer, ledger, audit, db = _writer_stores(tmp_path)
+    results = _concurrently(proxy, [("fx__huge", {"megabytes": 1})] + [("fx__weather", {"city": f"c{i}"})
+                                                                       for i in range(4)], db)
+    assert all(e is None for _, e in results), results
+    crossings = {c.id: c for c in ledger.crossings.list("acme")}
+    for result, _ in results:
+        stamp = result.meta["io.lethe/decision"]
+        record = audit.get(stamp["audit_index"])
+        assert record.body["crossing"] == stamp["crossing"] and stamp["crossing"] in crossings
+    huge = results[0][0].meta["io.lethe/decision"]
+    assert crossings[huge["crossing"]].tool == "fx__huge"
+    _verifies(audit, tmp_path)
+
+
+def test_records_submitted_while_the_proxy_is_not_serving_fail_closed(tmp_path: Path) -> None:
+    proxy, _writer, ledger, audit, _db = _writer_stores(tmp_path)
+    crossing = CrossingLog.new(tenant="acme", session_id=None, channel="mcp", upstream="fx", tool="fx__weather",
+                               phase="result", content_sha256="0" * 64, action="allow", meta={})
+    done = proxy.guard.recorder.submit(crossing, [], [{"kind": "mcp-result", "tenant": "acme",
+                                                       "content_sha256": "0" * 64, "crossing": crossing.id}])
+    with pytest.raises(RuntimeError, match="the proxy is not serving"):
+        done.result(timeout=5)
+    assert ledger.crossings.list("acme") == [] and audit.size == 0
