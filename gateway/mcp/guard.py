@@ -47,7 +47,7 @@ from policies import Decision, PolicyEngine, tool_identity
 
 from ..screen import Screened, apply_redact, gate_input
 from ..tenants import Principal
-from .recorder import LoopRecorder, PipeWriter, Recorder, Writer
+from .recorder import Recorder, Writer
 from .settings import PROMPT_GET, RESOURCE_READ, SEPARATOR
 
 log = structlog.get_logger(__name__)
@@ -286,12 +286,9 @@ class Guard:
     `settle` and `screen_definition` block, on a durable commit, and never run on the loop."""
 
     def __init__(self, gate: Gate, policy: PolicyEngine, ledger: Ledger, audit: AuditLog,
-                 max_result_bytes: int, writer: Writer | PipeWriter | None = None) -> None:
+                 max_result_bytes: int, writer: Writer | None = None) -> None:
         self.gate, self.policy = gate, policy
-        # A writer process is driven by the proxy's event loop (no thread between them); anything
-        # else commits on a recorder thread (recorder.py).
-        self.recorder: Recorder | LoopRecorder = LoopRecorder(ledger, audit, writer) \
-            if isinstance(writer, PipeWriter) else Recorder(ledger, audit, writer)
+        self.recorder = Recorder(ledger, audit, writer)
         self.max_result_bytes = max_result_bytes
         self._definitions: dict[tuple[str, str, str], Decision] = {}
         self._digests: dict[int, tuple[types.Tool, str]] = {}

@@ -71,11 +71,9 @@ class Proxy:
         async with anyio.create_task_group() as tg:
             self._upstreams = Upstreams(self.settings, tg)
             await self._upstreams.start()
-            self.guard.recorder.attach(asyncio.get_running_loop())  # commits are driven from this loop
             try:
                 yield self
             finally:
-                self.guard.recorder.detach()  # what is queued is committed before the loop goes
                 await self._upstreams.aclose()
                 self._upstreams = None
                 tg.cancel_scope.cancel()

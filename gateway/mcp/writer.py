@@ -60,8 +60,7 @@ def _serve(conn: Connection, settings: Settings) -> None:
 
 
 class WriterProcess:
-    """A `Writer` (recorder.py) whose commits run in a child process; `send` and `receive` split a
-    commit in two for `LoopRecorder`, which the event loop drives without a thread."""
+    """A `Writer` (recorder.py) whose commits run in a child process."""
 
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
@@ -82,42 +81,21 @@ class WriterProcess:
         self._conn = parent
 
     def __call__(self, rows: Rows, records: list[dict[str, Any]]) -> list[int]:
-        """Commit one batch and wait for its indices (a thread's `Writer`)."""
         with self._lock:
-            self.send(rows, records)
-            return self.receive()
-
-    def send(self, rows: Rows, records: list[dict[str, Any]]) -> None:
-        """Start a batch's commit (a dead writer is replaced first); `receive` ends it."""
-        if not self._process.is_alive():
-            self._start()
-        assert self._conn is not None
-        try:
-            self._conn.send((rows, records))
-        except OSError as exc:  # it died since: this batch fails, the next gets a new writer
-            raise self._died() from exc
-
-    def receive(self) -> list[int]:
-        """The sent batch's audit indices, once durable; a WriterError if it failed or the writer died."""
-        assert self._conn is not None
-        try:
-            status, value = self._conn.recv()
-        except (EOFError, OSError) as exc:  # it died (or is dying): the next batch gets a new one
-            raise self._died() from exc
+            if not self._process.is_alive():
+                self._start()
+            assert self._conn is not None
+            try:
+                self._conn.send((rows, records))
+                status, value = self._conn.recv()
+            except (EOFError, OSError) as exc:  # it died (or is dying): the next batch gets a new one
+                self._process.kill()
+                self._process.join()
+                raise WriterError("writer process died", "the writer process died before answering; this batch "
+                                  "may not be durable, so none of it is acted on") from exc
         if status != "ok":
             raise WriterError(*value)
         return list(value)
-
-    def fileno(self) -> int:
-        """The pipe's end here: readable when the writer has answered (or died)."""
-        assert self._conn is not None
-        return self._conn.fileno()
-
-    def _died(self) -> WriterError:
-        self._process.kill()
-        self._process.join()
-        return WriterError("writer process died", "the writer process died before answering; this batch "
-                           "may not be durable, so none of it is acted on")
 
     @property
     def pid(self) -> int:
