@@ -15,7 +15,7 @@ forgets and witnesses it.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
@@ -255,8 +255,7 @@ class Erasure:
             copies["resident"] = "none"
             spans = []
         started = time.perf_counter()
-        with fails_as("kernel"):
-            result = self._compute(live.cache.forget, spans, witness=self.witness_mode) if spans else None
+        result = self._forget_kernel(live, spans) if spans else None
         elapsed = time.perf_counter() - started
         with fails_as("ledger"):
             try:
@@ -288,6 +287,43 @@ class Erasure:
                  spans=spans, ms=round(elapsed * 1e3, 1), equal=witness.get("equal") if witness else None)
         return {"kind": kind, "segments": [s.id for s in segments], "spans": [list(s) for s in spans],
                 "audit_indices": indices, "witness": witness, "latency_ms": round(elapsed * 1e3, 3)}
+
+    def _forget_kernel(self, live: LiveSession, spans: list[tuple[int, int]]) -> Any:
+        """The kernel's forget, with what it holds beside the cache claimed in the budget: the
+        rollback copy of the rows it recomputes, then the witness's reference of the survivors
+        (deferred: also the copy the worker checks, until it ends). A deferred witness that
+        cannot get that room runs inline instead, which needs one copy less."""
+        kernel = self.sessions.kernel
+        survivors = len(live.cache) - sum(b - a for a, b in spans)
+        rollback = kernel.cache_bytes(len(live.cache) - spans[0][0] + 1)
+        witness = kernel.cache_bytes(survivors)
+        if self.witness_mode == "deferred":
+            try:
+                return self._edit(live, max(rollback, 2 * witness), live.cache.forget, spans, witness="deferred")
+            except GatewayError as err:
+                if err.code != "kv_budget_exhausted":
+                    raise
+                log.info("forget.witness_inline", session=live.record.id, reason="no room for a deferred copy")
+        return self._edit(live, max(rollback, witness), live.cache.forget, spans,
+                          witness="none" if self.witness_mode == "none" else "full")
+
+    def _edit(self, live: LiveSession, nbytes: int, edit: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run a kernel edit of `live`'s cache on the model thread with the `nbytes` it holds
+        beside the cache claimed in the KV budget first (or the 503). Given back when the edit
+        returns, or when its deferred witness ends."""
+        release = self.residency.claim_beside(live, nbytes)
+        try:
+            with fails_as("kernel"):
+                result = self._compute(edit, *args, **kwargs)
+        except BaseException:
+            release()
+            raise
+        pending = getattr(result, "pending", None)
+        if pending is None:
+            release()
+        else:
+            pending.add_done_callback(lambda _done: release())
+        return result
 
     def _resident_for_witness(self, live: LiveSession) -> tuple[str, int]:
         """A forget of a session with no cache in memory (dropped by the KV budget, or lost with a
@@ -344,8 +380,8 @@ class Erasure:
         """Leyline splice: the span is replaced by its stub, positions fixed. NOT erasure."""
         stub = tuple(decision["stub"])
         started = time.perf_counter()
-        with fails_as("kernel"):
-            result = self._compute(live.cache.amortize, (seg.start, seg.end), stub)
+        size = self.sessions.kernel.cache_bytes(len(live.cache) + len(stub))
+        result = self._edit(live, 3 * size, live.cache.amortize, (seg.start, seg.end), stub)
         elapsed = time.perf_counter() - started
         with fails_as("ledger"):
             self.ledger.amortize(live.record.id, seg.id, len(stub), stub_text(stub_reason_of(seg)).encode())
