@@ -248,14 +248,20 @@ class Erasure:
         name every copy touched, the resident cache and any prefix-cache entry included."""
         copies = {**(copies or {}), **self._prefix_copies(live, segments)}
         spans = sorted((s.start, s.end) for s in segments if s.n_tokens > 0)
-        rebuilt = 0
-        if spans and not len(live.cache) and kind == "forget":
-            kind, rebuilt = self._resident_for_witness(live)
-        if spans and not len(live.cache):  # no copy in memory (retention, content-erase): ledger only
-            copies["resident"] = "none"
-            spans = []
+        rebuilt, result = 0, None
         started = time.perf_counter()
-        result = self._forget_kernel(live, spans) if spans else None
+        try:
+            if spans and not len(live.cache) and kind == "forget":
+                kind, rebuilt = self._resident_for_witness(live)
+            if spans and not len(live.cache):  # no copy in memory (retention, content-erase): ledger only
+                copies["resident"] = "none"
+                spans = []
+            result = self._forget_kernel(live, spans) if spans else None
+        except GatewayError as err:
+            if err.code != "kv_budget_exhausted":
+                raise
+            kind, spans = CONTENT_ERASE, []
+            copies["resident"] = self._wiped_for_room(live, err)
         elapsed = time.perf_counter() - started
         with fails_as("ledger"):
             try:
@@ -287,6 +293,16 @@ class Erasure:
                  spans=spans, ms=round(elapsed * 1e3, 1), equal=witness.get("equal") if witness else None)
         return {"kind": kind, "segments": [s.id for s in segments], "spans": [list(s) for s in spans],
                 "audit_indices": indices, "witness": witness, "latency_ms": round(elapsed * 1e3, 3)}
+
+    def _wiped_for_room(self, live: LiveSession, err: GatewayError) -> dict[str, Any]:
+        """No room in the KV budget for the never-saw witness (a session near the budget's size,
+        or too many turns mid-flight): erasure must not wait for memory, so the resident cache is
+        zeroed and dropped instead (the next turn rebuilds the survivors from the ledger), and
+        the records are `content-erase`, which claims no witness. Returns the copy's entry."""
+        log.warning("forget.no_room_for_witness", session=live.record.id, tokens=len(live.cache), reason=err.message)
+        tokens = len(live.cache)
+        self.residency.drop(live)
+        return {"action": "wiped", "tokens": tokens, "reason": "no room in the KV budget for the never-saw witness"}
 
     def _forget_kernel(self, live: LiveSession, spans: list[tuple[int, int]]) -> Any:
         """The kernel's forget, with what it holds beside the cache claimed in the budget: the

@@ -310,3 +310,24 @@ def test_a_deferred_witness_holds_its_claim_until_it_ends_or_runs_inline_without
     response = http.post(f"/v1/sessions/{sid}/forget", json={"segment_id": seg.id})
     assert response.status_code == 200, response.text
     assert len(claims) == 2 and claims[0] > claims[1] and response.json()["witness"]["equal"] is True
+
+
+def test_a_forget_without_room_for_its_witness_wipes_the_cache_and_says_so(kv, monkeypatch):
+    """Erasure never waits for memory: with no room for the witness's reference even after every
+    idle session is evicted, the resident cache is zeroed and dropped, the content erased, and the
+    record is a content-erase (no witness claimed) naming the wiped copy; the next turn rebuilds."""
+    http, gw, _ = kv
+    sid = start(http, "tight", "a short file")
+    live = gw.sessions.get(sid)
+    seg = [s for s in gw.p.ledger.segments(sid) if s.role == "tool"][-1]
+    monkeypatch.setattr(gw.residency, "budget", live.cache.nbytes + 1)  # the cache fits, a copy never
+    response = http.post(f"/v1/sessions/{sid}/forget", json={"segment_id": seg.id})
+    assert response.status_code == 200, response.text
+    body = response.json()["records"][0]["body"]
+    assert body["kind"] == "content-erase" and body.get("witness") is None
+    assert body["copies"]["resident"]["action"] == "wiped" and not len(gw.cache(sid) or [])
+    assert gw.residency.used() <= gw.residency.budget
+    monkeypatch.undo()
+    messages = tool_messages("tight", "a short file") + [{"role": "user", "content": "and now?"}]
+    assert chat(http, messages, sid).status_code == 200  # rebuilt from the ledger, the result withheld
+    assert len(gw.cache(sid)) > 0
