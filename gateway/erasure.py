@@ -15,7 +15,7 @@ forgets and witnesses it.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
@@ -248,15 +248,20 @@ class Erasure:
         name every copy touched, the resident cache and any prefix-cache entry included."""
         copies = {**(copies or {}), **self._prefix_copies(live, segments)}
         spans = sorted((s.start, s.end) for s in segments if s.n_tokens > 0)
-        rebuilt = 0
-        if spans and not len(live.cache) and kind == "forget":
-            kind, rebuilt = self._resident_for_witness(live)
-        if spans and not len(live.cache):  # no copy in memory (retention, content-erase): ledger only
-            copies["resident"] = "none"
-            spans = []
+        rebuilt, result = 0, None
         started = time.perf_counter()
-        with fails_as("kernel"):
-            result = self._compute(live.cache.forget, spans, witness=self.witness_mode) if spans else None
+        try:
+            if spans and not len(live.cache) and kind == "forget":
+                kind, rebuilt = self._resident_for_witness(live)
+            if spans and not len(live.cache):  # no copy in memory (retention, content-erase): ledger only
+                copies["resident"] = "none"
+                spans = []
+            result = self._forget_kernel(live, spans) if spans else None
+        except GatewayError as err:
+            if err.code != "kv_budget_exhausted":
+                raise
+            kind, spans = CONTENT_ERASE, []
+            copies["resident"] = self._wiped_for_room(live, err)
         elapsed = time.perf_counter() - started
         with fails_as("ledger"):
             try:
@@ -288,6 +293,53 @@ class Erasure:
                  spans=spans, ms=round(elapsed * 1e3, 1), equal=witness.get("equal") if witness else None)
         return {"kind": kind, "segments": [s.id for s in segments], "spans": [list(s) for s in spans],
                 "audit_indices": indices, "witness": witness, "latency_ms": round(elapsed * 1e3, 3)}
+
+    def _wiped_for_room(self, live: LiveSession, err: GatewayError) -> dict[str, Any]:
+        """No room in the KV budget for the never-saw witness (a session near the budget's size,
+        or too many turns mid-flight): erasure must not wait for memory, so the resident cache is
+        zeroed and dropped instead (the next turn rebuilds the survivors from the ledger), and
+        the records are `content-erase`, which claims no witness. Returns the copy's entry."""
+        log.warning("forget.no_room_for_witness", session=live.record.id, tokens=len(live.cache), reason=err.message)
+        tokens = len(live.cache)
+        self.residency.drop(live)
+        return {"action": "wiped", "tokens": tokens, "reason": "no room in the KV budget for the never-saw witness"}
+
+    def _forget_kernel(self, live: LiveSession, spans: list[tuple[int, int]]) -> Any:
+        """The kernel's forget, with what it holds beside the cache claimed in the budget: the
+        rollback copy of the rows it recomputes, then the witness's reference of the survivors
+        (deferred: also the copy the worker checks, until it ends). A deferred witness that
+        cannot get that room runs inline instead, which needs one copy less."""
+        kernel = self.sessions.kernel
+        survivors = len(live.cache) - sum(b - a for a, b in spans)
+        rollback = kernel.cache_bytes(len(live.cache) - spans[0][0] + 1)
+        witness = kernel.cache_bytes(survivors)
+        if self.witness_mode == "deferred":
+            try:
+                return self._edit(live, max(rollback, 2 * witness), live.cache.forget, spans, witness="deferred")
+            except GatewayError as err:
+                if err.code != "kv_budget_exhausted":
+                    raise
+                log.info("forget.witness_inline", session=live.record.id, reason="no room for a deferred copy")
+        return self._edit(live, max(rollback, witness), live.cache.forget, spans,
+                          witness="none" if self.witness_mode == "none" else "full")
+
+    def _edit(self, live: LiveSession, nbytes: int, edit: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run a kernel edit of `live`'s cache on the model thread with the `nbytes` it holds
+        beside the cache claimed in the KV budget first (or the 503). Given back when the edit
+        returns, or when its deferred witness ends."""
+        release = self.residency.claim_beside(live, nbytes)
+        try:
+            with fails_as("kernel"):
+                result = self._compute(edit, *args, **kwargs)
+        except BaseException:
+            release()
+            raise
+        pending = getattr(result, "pending", None)
+        if pending is None:
+            release()
+        else:
+            pending.add_done_callback(lambda _done: release())
+        return result
 
     def _resident_for_witness(self, live: LiveSession) -> tuple[str, int]:
         """A forget of a session with no cache in memory (dropped by the KV budget, or lost with a
@@ -344,8 +396,8 @@ class Erasure:
         """Leyline splice: the span is replaced by its stub, positions fixed. NOT erasure."""
         stub = tuple(decision["stub"])
         started = time.perf_counter()
-        with fails_as("kernel"):
-            result = self._compute(live.cache.amortize, (seg.start, seg.end), stub)
+        size = self.sessions.kernel.cache_bytes(len(live.cache) + len(stub))
+        result = self._edit(live, 3 * size, live.cache.amortize, (seg.start, seg.end), stub)
         elapsed = time.perf_counter() - started
         with fails_as("ledger"):
             self.ledger.amortize(live.record.id, seg.id, len(stub), stub_text(stub_reason_of(seg)).encode())

@@ -21,6 +21,13 @@ Erasure: a copy is deleted by overwriting it with zeros, fsync, then unlink (and
 directory); in memory the buffer is zeroed before it is dropped, as is every transient plane. On a
 copy-on-write or wear-levelling device an overwrite does not reach every physical block (the same
 caveat as the ledger's SQLite secure_delete); encrypt the volume if that matters.
+
+The directory is not trusted beyond the files this process wrote: a copy is read and overwritten
+only through a descriptor opened without following links and checked to be the regular file this
+tier wrote (its device and inode); a symlink, a hard link to another file or a replaced file found
+under a copy's name is never read or written through, only its name is unlinked, and the audit
+record says the copy was not found instead of "erased" (red team: erasure followed planted links
+and zeroed files outside the directory, at start-up without any request).
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ import io
 import json
 import os
 import secrets
+import stat
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -68,7 +76,7 @@ class Tier(Protocol):
 
     def open(self, key: str) -> BinaryIO | None: ...
 
-    def erase(self, key: str) -> None: ...
+    def erase(self, key: str) -> bool: ...  # False: what was there was not the copy written
 
     def keys(self) -> list[str]: ...
 
@@ -191,6 +199,7 @@ class DiskTier:
     def __init__(self, directory: Path) -> None:
         self.dir = directory
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._written: dict[str, tuple[int, int]] = {}  # key -> (device, inode) of the file written
 
     def put(self, session_id: str, size: int, chunks: Iterable[memoryview]) -> str | None:
         key = f"{hashlib.sha256(session_id.encode()).hexdigest()[:32]}{SUFFIX}"
@@ -198,6 +207,7 @@ class DiskTier:
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "wb") as f:
+                identity = _identity(os.fstat(fd))
                 for chunk in chunks:
                     f.write(chunk)
                 f.flush()
@@ -206,43 +216,68 @@ class DiskTier:
             self._sync_dir()
         except OSError as exc:
             log.error("kv.offload_write_failed", session=session_id, error=f"{type(exc).__name__}: {exc}")
-            self._shred(tmp)
+            self._shred(tmp, None)
             return None
+        self._written[key] = identity
         return key
 
     def open(self, key: str) -> BinaryIO | None:
-        try:
-            return open(self.dir / key, "rb")  # noqa: SIM115 (the caller closes it)
-        except OSError:
-            return None
+        """The copy written under `key`, or None if what is there now is anything else."""
+        fd = self._open_own(self.dir / key, os.O_RDONLY, self._written.get(key))
+        return None if fd is None else os.fdopen(fd, "rb")
 
-    def erase(self, key: str) -> None:
-        self._shred(self.dir / key)
+    def erase(self, key: str) -> bool:
+        erased = self._shred(self.dir / key, self._written.pop(key, None))
         self._sync_dir()
+        return erased
 
     def keys(self) -> list[str]:
-        return sorted(p.name for p in self.dir.iterdir() if p.is_file())
+        return sorted(p.name for p in self.dir.iterdir() if not p.is_dir() or p.is_symlink())
 
     def sweep(self) -> int:
-        """Erase every file here (copies and torn tmp files alike); returns how many."""
+        """Erase every entry here (copies and torn tmp files alike; links only unlinked); returns how many."""
         names = self.keys()
         for name in names:
-            self.erase(name)
+            self._shred(self.dir / name, None)
+        self._sync_dir()
         return len(names)
 
     @staticmethod
-    def _shred(path: Path) -> None:
-        """Overwrite with zeros, fsync, unlink: the file's blocks never keep the rows."""
+    def _open_own(path: Path, flags: int, identity: tuple[int, int] | None) -> int | None:
+        """A descriptor on `path` if it is this tier's own copy: opened without following a link,
+        a regular file, and the very file written (`identity`); with none known (a file an
+        earlier process left), a regular file with no other name. Else None (nothing opened)."""
         try:
-            size = path.stat().st_size
-            with open(path, "r+b") as f:
+            fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:  # gone, or a symlink (ELOOP), or not openable: not ours to read or write
+            return None
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and (_identity(st) == identity if identity else st.st_nlink == 1):
+            return fd
+        os.close(fd)
+        return None
+
+    @classmethod
+    def _shred(cls, path: Path, identity: tuple[int, int] | None) -> bool:
+        """Overwrite the copy with zeros, fsync, unlink: the file's blocks never keep the rows.
+        Only this tier's own copy is written (`_open_own`); anything else under the name has its
+        name unlinked and is left alone. Returns whether the copy itself was overwritten."""
+        fd = cls._open_own(path, os.O_RDWR, identity)
+        if fd is not None:
+            with os.fdopen(fd, "r+b") as f:
+                size = os.fstat(fd).st_size
                 for at in range(0, size, 1 << 20):
                     f.write(bytes(min(1 << 20, size - at)))
                 f.flush()
-                os.fsync(f.fileno())
+                os.fsync(fd)
+        elif os.path.lexists(path):
+            log.warning("kv.offload_foreign", file=path.name,
+                        reason="not the copy this tier wrote (a link or another file): unlinked, never written through")
+        try:
             path.unlink()
         except FileNotFoundError:
-            return
+            pass
+        return fd is not None
 
     def _sync_dir(self) -> None:
         fd = os.open(self.dir, os.O_RDONLY)
@@ -250,6 +285,10 @@ class DiskTier:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
 
 
 class _View(io.RawIOBase):
@@ -298,11 +337,12 @@ class HostTier:
             held = self._copies.get(key)
         return None if held is None else _View(held)  # type: ignore[return-value]
 
-    def erase(self, key: str) -> None:
+    def erase(self, key: str) -> bool:
         with self._lock:
             held = self._copies.pop(key, None)
         if held is not None:
             held[:] = bytes(len(held))
+        return held is not None
 
     def keys(self) -> list[str]:
         with self._lock:
@@ -387,13 +427,16 @@ class Offload:
         with source:
             return decoded(kernel, source, copy)
 
-    def discard(self, session_id: str) -> OffloadCopy | None:
-        """Erase the session's copy (zeros, fsync, unlink); returns what was erased."""
+    def discard(self, session_id: str) -> tuple[OffloadCopy, str] | None:
+        """Erase the session's copy (zeros, fsync, unlink); returns the copy and what was done:
+        `erased`, or `not-found` when its name held anything but the copy written (a link, a
+        replaced or vanished file: only the name was unlinked, so the copy's bytes, if they
+        still exist somewhere, were not reached)."""
         with self._lock:
             copy = self._copies.pop(session_id, None)
-        if copy is not None:
-            self.tier.erase(copy.key)
-        return copy
+        if copy is None:
+            return None
+        return copy, "erased" if self.tier.erase(copy.key) else "not-found"
 
     def close(self) -> None:
         with self._lock:

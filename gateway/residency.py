@@ -67,6 +67,7 @@ class Residency:
         self._lock = threading.RLock()
         self._room = threading.Condition(self._lock)  # notified when an eviction ends or a turn settles
         self._leaving: dict[str, int] = {}  # sessions being evicted now -> the bytes they still hold
+        self._beside = 0  # bytes edits hold beside their caches: rollback copies, witnesses' references
         self.peak = 0  # the most bytes ever accounted at once (the bench reports it)
 
     # ---- accounting ----------------------------------------------------------------------------
@@ -77,7 +78,7 @@ class Residency:
         Under the budget's lock, so that the sum is one consistent moment (an eviction and the
         reservation it made room for are never both counted, nor both missed)."""
         with self._lock:
-            return _claims(self._sessions.all()) + self._sessions.prefixes.nbytes
+            return _claims(self._sessions.all()) + self._sessions.prefixes.nbytes + self._beside
 
     def fits(self, nbytes: int) -> bool:
         """Whether `nbytes` more fit without evicting anyone (for what only saves compute)."""
@@ -144,16 +145,44 @@ class Residency:
                 self._publish()
                 self._room.notify_all()
 
+    def claim_beside(self, live: LiveSession, nbytes: int) -> Callable[[], None]:
+        """Count `nbytes` that an edit of `live` holds beside its cache (the rollback copy of the
+        rows it recomputes, the never-saw witness's reference cache, a deferred witness's copy)
+        against the budget, evicting idle sessions for them first, or the 503 when they cannot
+        fit. Returns the release, to call once that memory is freed: after an inline witness,
+        or when a deferred one finishes (red team: a forget of a long session held several
+        cache-sized temporaries outside the budget, and deferred witnesses queued copies
+        without bound)."""
+        held = live.reserved
+        try:
+            self._make_room(live, max(held, live.cache.nbytes) + nbytes)
+        except GatewayError as err:
+            raise GatewayError(err.status, err.code, f"this edit (a forget or amortize and its never-saw witness) "
+                               f"needs {nbytes} bytes beside the session's cache; {err.message}",
+                               retry_after=err.retry_after) from err
+        with self._room:
+            live.reserved = held
+            self._beside += nbytes
+            self._publish()
+        owed = [nbytes]  # given back once, however often release is called
+
+        def release() -> None:
+            with self._room:
+                self._beside -= owed.pop() if owed else 0
+                self._publish()
+                self._room.notify_all()
+        return release
+
     def release(self, live: LiveSession) -> dict[str, Any]:
         """Session end (lock held): zero the resident cache, erase the offloaded copy, forget the
         session here. Returns the copies touched, for the audit record."""
         touched: dict[str, Any] = {}
         if live.cache.nbytes:
             touched["resident"] = {"tokens": len(live.cache), "action": "zeroed"}
-        copy = self.offload.discard(live.record.id) if self.offload else None
-        if copy is not None:
-            touched["offload"] = {"sha256": copy.sha256, "tier": self.offload.tier.name,  # type: ignore[union-attr]
-                                  "action": "erased"}
+        gone = self.offload.discard(live.record.id) if self.offload else None
+        if gone is not None:
+            touched["offload"] = {"sha256": gone[0].sha256, "tier": self.offload.tier.name,  # type: ignore[union-attr]
+                                  "action": gone[1]}
         self.drop(live)
         self._sessions.remove(live.record.id)
         with self._lock:
@@ -191,10 +220,10 @@ class Residency:
         with self._room:
             while True:
                 others = [s for s in self._sessions.all() if s is not live]
-                pinned = _claims(s for s in others if s.reserved) + claim  # mid-turn: no eviction frees it
+                pinned = _claims(s for s in others if s.reserved) + claim + self._beside  # no eviction frees it
                 if pinned > self.budget:
                     raise self._exhausted(live, need, pinned)
-                over = _claims(others) + self._sessions.prefixes.nbytes + claim - self.budget
+                over = _claims(others) + self._sessions.prefixes.nbytes + self._beside + claim - self.budget
                 if over <= 0:
                     live.reserved = claim
                     return None
@@ -283,26 +312,29 @@ class Residency:
         assert self.offload is not None
         if copy.ledger_mark != mark:
             log.warning("kv.restore_stale", session=live.record.id)
-            self.offload.discard(live.record.id)
             self._metrics.kv_restores.labels("rebuilt").inc()
-            return "erased-stale"
+            return self._erased(live, "erased-stale")
         self._make_room(live, live.cache.bytes_for(copy.tokens))
         started = time.perf_counter()
-        result = "rebuilt"
+        result, action = "rebuilt", "erased-invalid"
         try:
             restored = self.offload.load(copy, self._kernel)
             self.drop(live)
             live.cache = restored
-            result = "hit"
-            return "restored-erased"
-        except (ValueError, OSError) as exc:  # torn, corrupted or unreadable: rebuilt instead
+            result, action = "hit", "restored-erased"
+        except (ValueError, OSError) as exc:  # torn, corrupted, unreadable or not ours: rebuilt instead
             log.warning("kv.restore_refused", session=live.record.id, reason=str(exc))
-            return "erased-invalid"
         finally:
-            self.offload.discard(live.record.id)
             live.reserved = 0
             self._metrics.kv_restores.labels(result).inc()
             self._metrics.kv_restore_seconds.observe(time.perf_counter() - started)
+        return self._erased(live, action)
+
+    def _erased(self, live: LiveSession, action: str) -> str:
+        """Erase the session's copy after a restore (or its refusal); the action the audit record
+        names: `action`, or `not-found` if the copy's name no longer held the copy written."""
+        gone = self.offload.discard(live.record.id)  # type: ignore[union-attr]
+        return action if gone is None or gone[1] == "erased" else "not-found"
 
     # ---- priorities ----------------------------------------------------------------------------
 

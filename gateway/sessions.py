@@ -127,7 +127,7 @@ class Sessions:
     """The caller's sessions: tenant scoping, creation with a policy-derived salt, residency."""
 
     def __init__(self, kernel: Kernel, ledger: Ledger, policy: PolicyEngine, salt_secret: bytes) -> None:
-        self._kernel = kernel
+        self.kernel = kernel
         self._ledger = ledger
         self._policy = policy
         self._salt_secret = salt_secret
@@ -196,7 +196,7 @@ class Sessions:
         with self._lock:
             live = self._resident.get(record.id)
             if live is None:
-                live = LiveSession(record, self._kernel.new_cache(0))  # room is reserved per turn
+                live = LiveSession(record, self.kernel.new_cache(0))  # room is reserved per turn
                 self._resident[record.id] = live
             return live
 

@@ -139,10 +139,19 @@ class Kernel:
         """Wait for pending deferred witnesses and stop the worker."""
         self._executor.shutdown(wait=True)
 
-    def prefill(self, tokens: Sequence[int]) -> KVCache:
-        """A fresh cache holding ``tokens``: the never-saw reference of a witness."""
-        cache = self.new_cache()
+    def cache_bytes(self, tokens: int) -> int:
+        """Bytes of a cache sized exactly for ``tokens`` (rows rounded up to the key bucket), with
+        its logits: what a witness's reference, a copy or a rollback copy of that many rows holds."""
+        return self.new_cache(0).bytes_for(tokens)
+
+    def prefill(self, tokens: Sequence[int], *, room: int = 0) -> KVCache:
+        """A fresh cache holding ``tokens``: the never-saw reference of a witness. Its buffer is
+        sized exactly first (no doubling growth, no old-and-new pair while it grows), so a witness
+        holds one buffer of the survivors' rows beside the cache it checks: what a memory budget
+        counts for it. ``room``: tokens the caller will append after (a probe), reserved too."""
+        cache = self.new_cache(0)
         if tokens:
+            cache.reserve(len(tokens) + room)
             cache.extend(tokens)
         return cache
 
@@ -299,10 +308,11 @@ class KVCache:
         return cache
 
     def clone(self) -> KVCache:
-        """An independent deep copy (same kernel)."""
+        """An independent deep copy (same kernel), its buffer sized exactly for its tokens: a
+        copy (a deferred witness's, a probe's) holds no spare capacity a budget would have to count."""
         other = KVCache.__new__(KVCache)
         other._kernel, other._tf = self._kernel, self._tf
-        other._kv = self._kv.clone()
+        other._kv = self._kv[:, :, :, : self._tf.key_length(len(self)) if len(self) else 0].clone()
         other._tokens = list(self._tokens)
         other._capture = None
         other._logits = None if self._logits is None else self._logits.clone()
@@ -584,12 +594,13 @@ class KVCache:
         """
         if self._logits is None:
             return torch.zeros(0, self._tf.shape.vocab), torch.zeros(0, self._tf.shape.vocab)
-        reference = self._kernel.prefill(self._tokens)
+        steps = max(0, min(probe, self._kernel.model.max_context - len(self)))
+        reference = self._kernel.prefill(self._tokens, room=steps)  # sized for the probe: no growth
         edited = self.clone()
+        edited.reserve(len(self) + steps)
         assert reference._logits is not None
         ref_rows, edit_rows = [reference._logits], [self._logits]
-        room = self._kernel.model.max_context - len(self)
-        for _ in range(max(0, min(probe, room))):
+        for _ in range(steps):
             token = int(ref_rows[-1].argmax())
             ref_rows.append(reference.extend([token]))
             edit_rows.append(edited.extend([token]))
@@ -600,9 +611,8 @@ def forget_witness(kernel: Kernel, edited: KVCache, spans: list[tuple[int, int]]
     """Compare ``edited`` with a fresh prefill of its tokens (the never-saw reference)."""
     reference = kernel.prefill(edited._tokens)
     n = len(edited)
-    deltas = (edited._kv[:, :, :, :n] - reference._kv[:, :, :, :n]).abs()
-    dk = float(deltas[[0, 2]].max()) if n else 0.0
-    dv = float(deltas[1].max()) if n else 0.0
+    dk = _max_abs_delta(edited, reference, (0, 2), n)
+    dv = _max_abs_delta(edited, reference, (1,), n)
     if edited._logits is None or reference._logits is None:
         dl, argmax_equal = 0.0, edited._logits is None and reference._logits is None
     else:
@@ -657,3 +667,10 @@ def _sample(logits: torch.Tensor, cfg: GenerationConfig, gen: torch.Generator) -
 
 def _bytes(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+
+def _max_abs_delta(a: KVCache, b: KVCache, planes: tuple[int, ...], n: int) -> float:
+    """max|a - b| over rows ``[:n]`` of ``planes``, one layer's plane at a time: the difference of
+    two whole caches would be a third cache-sized temporary (twice, with its ``abs``)."""
+    return max((float((a._kv[p, layer, :, :n] - b._kv[p, layer, :, :n]).abs().max())
+                for p in planes for layer in range(a._kv.shape[1])), default=0.0) if n else 0.0

@@ -222,7 +222,9 @@ def test_an_amortize_owed_by_a_crashed_turn_is_done_before_the_restart_is_ready(
         records = http.get("/v1/audit/records", params={"session": sid, "kind": "amortize"}).json()["records"]
     digest = hashlib.sha256(AMORTIZED.encode()).hexdigest()
     (seg,) = [s for s in segments if s["content_sha256"] == digest]
-    assert seg["state"] == "amortized"
+    # it carries a secret, whose retention class is short: on a slow machine the sweep may have
+    # forgotten the amortized stub since (seen at load 8); either way it is no longer live
+    assert seg["state"] in ("amortized", "forgotten")
     (record,) = records
     assert record["body"]["segment_id"] == seg["id"] and record["body"]["witness"]
     _log_verifies(server)

@@ -4,6 +4,7 @@ span's K/V bytes are searched for in every byte of the offload directory)."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -251,3 +252,82 @@ def test_reading_an_offloaded_session_neither_restores_it_nor_evicts_another(kv)
     assert gw.residency.offload.copy_of(sid) is not None and gw.cache(sid) is None
     assert metric(http, "lethe_kv_restore_seconds_count") == restores
     assert sum(evictions.labels(to)._value.get() for to in ("offloaded", "dropped")) == before
+
+
+def forget_claims(http: httpx.Client, gw: Gateway, monkeypatch, tag: str,
+                  content: str | None = None) -> tuple[list[int], int, dict, tuple[int, int]]:
+    """Start a session and forget its tool result, recording what the forget claimed beside its
+    cache. Returns the claims, the accounted bytes before, the answer and the session's tokens
+    before and after."""
+    sid = start(http, tag, content)
+    claims: list[int] = []
+    claim = gw.residency.claim_beside
+
+    def spy(live, nbytes):
+        claims.append(nbytes)
+        return claim(live, nbytes)
+    monkeypatch.setattr(gw.residency, "claim_beside", spy)
+    before, tokens = gw.residency.used(), len(gw.cache(sid))
+    seg = [s for s in gw.p.ledger.segments(sid) if s.role == "tool"][-1]
+    response = http.post(f"/v1/sessions/{sid}/forget", json={"segment_id": seg.id})
+    assert response.status_code == 200, response.text
+    return claims, before, response.json(), (tokens, tokens - seg.n_tokens)
+
+
+def test_a_forget_counts_its_rollback_copy_and_witness_in_the_budget(kv, monkeypatch):
+    """The never-saw witness prefills a reference of the survivors beside the cache, after the
+    forget kept a rollback copy of the rows it recomputes: the larger is claimed in the budget
+    before the edit and given back after it, and the accounted peak stays within the budget."""
+    http, gw, _ = kv
+    claims, before, answer, (tokens, survivors) = forget_claims(http, gw, monkeypatch, "witness")
+    assert answer["witness"]["equal"] is True
+    size = gw.p.kernel.cache_bytes
+    assert claims == [max(size(tokens - answer["spans"][0][0] + 1), size(survivors))]
+    assert gw.residency.peak <= gw.residency.budget
+    assert gw.residency.used() <= before  # given back; the forget only shrank the session
+
+
+def test_a_deferred_witness_holds_its_claim_until_it_ends_or_runs_inline_without_room(kv, monkeypatch):
+    """Deferred, the worker checks a copy of the cache against its own reference after the call
+    returns: both stay counted until the witness ends (red team: queued copies were unbounded).
+    When the budget has no room for that copy, the witness runs inline (one copy less)."""
+    http, gw, _ = kv
+    monkeypatch.setattr(gw.erasure, "witness_mode", "deferred")
+    size = gw.p.kernel.cache_bytes
+    claims, before, answer, (tokens, survivors) = forget_claims(http, gw, monkeypatch, "deferred", "ok")
+    assert claims == [max(size(tokens - answer["spans"][0][0] + 1), 2 * size(survivors))]
+    assert answer["witness"] is None and answer["audit_indices"] == [None]
+    deadline = time.monotonic() + 120
+    while gw.residency.used() > before and time.monotonic() < deadline:
+        time.sleep(0.05)  # the witness runs on the kernel's worker; its release comes when it ends
+    assert gw.residency.used() <= before and gw.residency.peak <= gw.residency.budget
+    sid = start(http, "inline", "ok")
+    live = gw.sessions.get(sid)
+    # room (once every other session is evicted) for the cache and one copy of it, not two
+    monkeypatch.setattr(gw.residency, "budget", live.cache.nbytes + 2 * size(len(live.cache)) - 1)
+    seg = [s for s in gw.p.ledger.segments(sid) if s.role == "tool"][-1]
+    claims.clear()
+    response = http.post(f"/v1/sessions/{sid}/forget", json={"segment_id": seg.id})
+    assert response.status_code == 200, response.text
+    assert len(claims) == 2 and claims[0] > claims[1] and response.json()["witness"]["equal"] is True
+
+
+def test_a_forget_without_room_for_its_witness_wipes_the_cache_and_says_so(kv, monkeypatch):
+    """Erasure never waits for memory: with no room for the witness's reference even after every
+    idle session is evicted, the resident cache is zeroed and dropped, the content erased, and the
+    record is a content-erase (no witness claimed) naming the wiped copy; the next turn rebuilds."""
+    http, gw, _ = kv
+    sid = start(http, "tight", "a short file")
+    live = gw.sessions.get(sid)
+    seg = [s for s in gw.p.ledger.segments(sid) if s.role == "tool"][-1]
+    monkeypatch.setattr(gw.residency, "budget", live.cache.nbytes + 1)  # the cache fits, a copy never
+    response = http.post(f"/v1/sessions/{sid}/forget", json={"segment_id": seg.id})
+    assert response.status_code == 200, response.text
+    body = response.json()["records"][0]["body"]
+    assert body["kind"] == "content-erase" and body.get("witness") is None
+    assert body["copies"]["resident"]["action"] == "wiped" and not len(gw.cache(sid) or [])
+    assert gw.residency.used() <= gw.residency.budget
+    monkeypatch.undo()
+    messages = tool_messages("tight", "a short file") + [{"role": "user", "content": "and now?"}]
+    assert chat(http, messages, sid).status_code == 200  # rebuilt from the ledger, the result withheld
+    assert len(gw.cache(sid)) > 0

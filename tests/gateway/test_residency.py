@@ -2,6 +2,7 @@
 SQLite ledger, the shipped Rego policies and a real offload directory."""
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -301,3 +302,109 @@ def test_an_eviction_writes_outside_the_budget_lock_and_its_bytes_are_never_clai
     with first.lock:
         assert w.residency.admit(first)["offload"]["action"] == "restored-erased"
     assert first.cache.digest() == reference
+
+
+def test_memory_an_edit_holds_beside_its_cache_is_claimed_in_the_budget_and_given_back(tiny_kernel, tmp_path):
+    """A forget's rollback copy and witness reference (a deferred witness's copy, until it ends)
+    are counted: room is made for them by eviction, or the 503, and the release gives them back once."""
+    one = per_session(tiny_kernel, 100)
+    w = World(tiny_kernel, tmp_path, budget=3 * one)
+    a = w.session([("user", None, LIVE, 100)])
+    b = w.session([("user", None, LIVE, 100)])
+    held = a.cache.nbytes
+    c = w.sessions.resident(w.ledger.create_session("ses_c", "acme", "alice"))
+    refused: list[GatewayError] = []
+
+    def newcomer() -> None:  # another request's thread: it cannot take a's lock
+        try:
+            with c.lock:
+                w.residency.reserve(c, 100)
+                w.residency.settle(c)
+        except GatewayError as exc:
+            refused.append(exc)
+
+    with a.lock:
+        release = w.residency.claim_beside(a, 2 * held)  # a's cache + 2 copies: b must go
+        assert a.reserved == 0 and b.cache.nbytes == 0 and w.residency.offloaded(b) is not None
+        assert w.residency.used() == 3 * held == w.residency.peak
+        worker = threading.Thread(target=newcomer)
+        worker.start()
+        worker.join()
+        assert [e.code for e in refused] == ["kv_budget_exhausted"] and c.reserved == 0
+        release()
+        release()  # given back once, however often called
+        assert w.residency.used() == held
+    worker = threading.Thread(target=newcomer)
+    worker.start()
+    worker.join()
+    assert len(refused) == 1 and w.residency.used() == held  # the room was there once given back
+
+
+def test_an_edit_whose_copies_cannot_fit_gets_503_and_claims_nothing(tiny_kernel, tmp_path):
+    one = per_session(tiny_kernel, 100)
+    w = World(tiny_kernel, tmp_path, budget=2 * one)
+    a = w.session([("user", None, LIVE, 100)])
+    with a.lock, pytest.raises(GatewayError) as err:
+        w.residency.claim_beside(a, 2 * a.cache.nbytes)
+    assert err.value.code == "kv_budget_exhausted" and a.reserved == 0 and w.residency.used() == a.cache.nbytes
+
+
+def planted(w: World, victim: LiveSession, tmp: Path, how: str) -> tuple[Path, bytes]:
+    """Replace the victim's offload copy by a symlink or a hard link to a file outside the
+    directory (as whoever else can write there could). Returns the outside file and its bytes."""
+    target = tmp / "outside.bin"
+    target.write_bytes(b"not yours " * 1000)
+    path = w.dir / w.residency.offload.copy_of(victim.record.id).key
+    path.unlink()
+    (path.symlink_to if how == "symlink" else path.hardlink_to)(target)
+    return target, target.read_bytes()
+
+
+@pytest.mark.parametrize("how", ["symlink", "hardlink"])
+@pytest.mark.parametrize("via", ["end", "restore"])
+def test_erasure_never_reads_or_writes_through_a_link_planted_under_a_copy_name(tiny_kernel, tmp_path, how, via):
+    """Red team: a DELETE, a forget's restore, a start-up or shutdown sweep zeroed the file a
+    planted link pointed at, and audited it as the erased copy. Only the name is unlinked, the
+    outside file is untouched, and the record says the copy was not found."""
+    one = per_session(tiny_kernel, 300)
+    w = World(tiny_kernel, tmp_path, budget=one + one // 2)
+    victim = w.session([("user", None, LIVE, 300)])
+    w.session([("user", None, LIVE, 300)])  # offloads the victim
+    path = w.dir / w.residency.offload.copy_of(victim.record.id).key
+    target, before = planted(w, victim, tmp_path, how)
+    with victim.lock:
+        touched = w.residency.release(victim) if via == "end" else w.residency.admit(victim)
+    assert touched["offload"]["action"] == "not-found"
+    assert target.read_bytes() == before and not os.path.lexists(path)
+    assert via == "end" or len(victim.cache) == 0  # nothing read through the link was used
+
+
+@pytest.mark.parametrize("how", ["symlink", "hardlink", "dangling"])
+def test_a_sweep_unlinks_planted_links_and_never_writes_through_them(tiny_kernel, tmp_path, how):
+    directory = tmp_path / "kv-offload"
+    directory.mkdir()
+    target = tmp_path / "audit-key.pem"
+    target.write_bytes(b"secret key material")
+    left = directory / "0123.kv"
+    left.write_bytes(b"rows an earlier process left")
+    link = directory / "planted.kv"
+    if how == "dangling":
+        link.symlink_to(tmp_path / "nowhere")
+    else:
+        (link.symlink_to if how == "symlink" else link.hardlink_to)(target)
+    tier = DiskTier(directory)
+    Offload(tier, 1 << 30).close()  # the start-up sweep, then the shutdown one
+    assert target.read_bytes() == b"secret key material" and list(directory.iterdir()) == []
+
+
+def test_a_second_name_for_a_copy_cannot_keep_its_rows(tiny_kernel, tmp_path):
+    """The copy is overwritten through its own inode, so a hard link made to it elsewhere reads zeros."""
+    one = per_session(tiny_kernel, 300)
+    w = World(tiny_kernel, tmp_path, budget=one + one // 2)
+    victim = w.session([("user", None, LIVE, 300)])
+    w.session([("user", None, LIVE, 300)])
+    kept = tmp_path / "kept.kv"
+    kept.hardlink_to(w.dir / w.residency.offload.copy_of(victim.record.id).key)
+    with victim.lock:
+        assert w.residency.release(victim)["offload"]["action"] == "erased"
+    assert set(kept.read_bytes()) == {0}

@@ -10,7 +10,8 @@ from kvkernel import KernelError, KVCache
 
 def test_reserved_and_trimmed_buffers_compute_the_same_bits(tiny_kernel):
     tokens = [(i * 13) % 250 + 3 for i in range(300)]
-    grown = tiny_kernel.prefill(tokens)  # the doubling buffer
+    grown = tiny_kernel.new_cache()
+    grown.extend(tokens)  # the doubling buffer
     exact = tiny_kernel.new_cache(0)
     exact.reserve(len(tokens) + 20)
     before = exact.capacity
@@ -48,3 +49,19 @@ def test_wipe_zeroes_what_the_cache_held_and_holds_nothing(tiny_kernel):
     cache.wipe()
     assert len(cache) == 0 and cache.nbytes == 0 and cache.logits is None
     assert not buffer.any() and not logits.any()  # the released tensors carry no K/V or logits
+
+
+@pytest.mark.parametrize("n", [1, 127, 128, 129, 300])
+def test_a_never_saw_reference_holds_one_exactly_sized_buffer(tiny_kernel, n):
+    """A witness's reference is what the gateway's KV budget counts beside the cache it checks:
+    one buffer of the survivors' rows, never a doubled one (the old default of 256 rows, doubled
+    while it grew, held up to 2x, and 3x during a move)."""
+    tokens = [(7 * i) % 200 + 3 for i in range(n)]
+    reference = tiny_kernel.prefill(tokens)
+    key_length = tiny_kernel.transformer.key_length
+    assert reference.capacity == key_length(n) and reference.nbytes <= reference.bytes_for(n)
+    sized = tiny_kernel.prefill(tokens, room=8)
+    assert sized.capacity == key_length(n + 8)
+    grown = tiny_kernel.new_cache()
+    grown.extend(tokens)
+    assert sized.digest() == reference.digest() == grown.digest()  # the buffer's size changes no bits
