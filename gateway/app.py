@@ -85,6 +85,10 @@ def create_app(settings: Settings | None = None, *, model: Model | None = None) 
                 400, "unsupported_content_type",
                 f"the body was not read as JSON: the request has {f'Content-Type {sent}' if sent else 'no Content-Type'}; "
                 "send `Content-Type: application/json`"))
+        if first.get("type") == "json_invalid":  # not a field's fault: say where the JSON broke
+            at = first["loc"][-1] if first.get("loc") else "?"
+            why = (first.get("ctx") or {}).get("error", "JSON decode error")
+            return error_response(GatewayError(400, "invalid_json", f"the body is not valid JSON: {why} at byte {at}"))
         param = param_of(first)
         return error_response(GatewayError(400, "invalid_request", f"{param}: {first['msg']}", param=param))
 

@@ -162,3 +162,14 @@ def test_a_json_body_without_a_json_content_type_is_a_400_that_says_which_header
     assert error["type"] == "invalid_request_error" and error["code"] == "unsupported_content_type"
     assert error["param"] is None and "send `Content-Type: application/json`" in error["message"]
     assert (content_type or "no Content-Type") in error["message"]
+
+
+@pytest.mark.parametrize("body", [b'{"model": "m", "messages": [', b"{'model': 'm'}", b'{"model": "m",}'],
+                         ids=["truncated", "single-quotes", "trailing-comma"])
+def test_a_body_that_is_not_json_is_a_400_invalid_json_that_says_where(live_gateway, body):
+    with live_gateway.client() as http:
+        response = http.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "invalid_json" and error["param"] is None
+    assert error["message"].startswith("the body is not valid JSON: ") and " at byte " in error["message"]
