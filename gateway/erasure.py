@@ -305,23 +305,20 @@ class Erasure:
         return {"action": "wiped", "tokens": tokens, "reason": "no room in the KV budget for the never-saw witness"}
 
     def _forget_kernel(self, live: LiveSession, spans: list[tuple[int, int]]) -> Any:
-        """The kernel's forget, with what it holds beside the cache claimed in the budget: the
-        rollback copy of the rows it recomputes, then the witness's reference of the survivors
-        (deferred: also the copy the worker checks, until it ends). A deferred witness that
-        cannot get that room runs inline instead, which needs one copy less."""
-        kernel = self.sessions.kernel
-        survivors = len(live.cache) - sum(b - a for a, b in spans)
-        rollback = kernel.cache_bytes(len(live.cache) - spans[0][0] + 1)
-        witness = kernel.cache_bytes(survivors)
+        """The kernel's forget, with the witness's reference of the survivors claimed in the
+        budget (deferred: also the copy the worker checks, until it ends). No rollback copy is
+        kept (`rollback=False`): a forget that fails leaves the cache wiped, never the span
+        back in memory, and a session near half the budget keeps its witness. A deferred
+        witness that cannot get room for two copies runs inline, which needs one."""
+        witness = self.sessions.kernel.cache_bytes(len(live.cache) - sum(b - a for a, b in spans))
         if self.witness_mode == "deferred":
             try:
-                return self._edit(live, max(rollback, 2 * witness), live.cache.forget, spans, witness="deferred")
+                return self._edit(live, 2 * witness, live.cache.forget, spans, witness="deferred", rollback=False)
             except GatewayError as err:
                 if err.code != "kv_budget_exhausted":
                     raise
                 log.info("forget.witness_inline", session=live.record.id, reason="no room for a deferred copy")
-        return self._edit(live, max(rollback, witness), live.cache.forget, spans,
-                          witness="none" if self.witness_mode == "none" else "full")
+        return self._edit(live, witness, live.cache.forget, spans, witness="full", rollback=False)
 
     def _edit(self, live: LiveSession, nbytes: int, edit: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run a kernel edit of `live`'s cache on the model thread with the `nbytes` it holds

@@ -373,12 +373,16 @@ class KVCache:
         with self._atomic(max(n - 1, 0)):
             self._replace_tail(n, [])
 
-    def forget(self, spans: Sequence[tuple[int, int]], *, witness: str = "full") -> ForgetResult:
+    def forget(self, spans: Sequence[tuple[int, int]], *, witness: str = "full", rollback: bool = True) -> ForgetResult:
         """Exactly erase ``spans`` (half-open, pre-edit coordinates), all or nothing.
 
         Truncates at the first span and re-prefills the survivors at their new positions, so the
         result equals a cache that never saw the spans. ``witness``: ``"full"`` builds the
         never-saw reference now, ``"deferred"`` on the background worker, ``"none"`` skips it.
+        ``rollback=False`` keeps no copy of the rows it recomputes: if the recompute fails, the
+        cache is wiped (every row zeroed, nothing held) instead of restored, which is what an
+        erasure wants anyway (a failed forget must not leave the span in memory) and holds one
+        cache-sized buffer less (a memory budget counts it).
         """
         self._no_stage("forget")
         if witness not in _WITNESS_MODES:
@@ -387,7 +391,7 @@ class KVCache:
         doomed = {i for a, b in spans for i in range(a, b)}
         survivors = [t for i, t in enumerate(self._tokens) if i not in doomed]
         first = spans[0][0]
-        with self._atomic(max(first - 1, 0)):
+        with self._atomic(max(first - 1, 0)) if rollback else self._wiped_on_failure():
             self._replace_tail(first, survivors[first:])
         result = ForgetResult(witness=None, removed=len(doomed), recomputed=len(survivors) - first)
         if witness == "full":
@@ -544,6 +548,15 @@ class KVCache:
             raise
         finally:
             saved_rows.zero_()  # a released copy never keeps K/V bytes (erased rows included)
+
+    @contextmanager
+    def _wiped_on_failure(self) -> Iterator[None]:
+        """Wipe the cache if the body raises: what it holds is then neither the old nor the new state."""
+        try:
+            yield
+        except BaseException:
+            self.wipe()
+            raise
 
     def _no_stage(self, op: str) -> None:
         if self._staged is not None:

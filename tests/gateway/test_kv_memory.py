@@ -275,14 +275,13 @@ def forget_claims(http: httpx.Client, gw: Gateway, monkeypatch, tag: str,
 
 
 def test_a_forget_counts_its_rollback_copy_and_witness_in_the_budget(kv, monkeypatch):
-    """The never-saw witness prefills a reference of the survivors beside the cache, after the
-    forget kept a rollback copy of the rows it recomputes: the larger is claimed in the budget
-    before the edit and given back after it, and the accounted peak stays within the budget."""
+    """The never-saw witness prefills a reference of the survivors beside the cache (the forget
+    itself keeps no rollback copy): it is claimed in the budget before the edit and given back
+    after it, and the accounted peak stays within the budget."""
     http, gw, _ = kv
-    claims, before, answer, (tokens, survivors) = forget_claims(http, gw, monkeypatch, "witness")
+    claims, before, answer, (_, survivors) = forget_claims(http, gw, monkeypatch, "witness")
     assert answer["witness"]["equal"] is True
-    size = gw.p.kernel.cache_bytes
-    assert claims == [max(size(tokens - answer["spans"][0][0] + 1), size(survivors))]
+    assert claims == [gw.p.kernel.cache_bytes(survivors)]
     assert gw.residency.peak <= gw.residency.budget
     assert gw.residency.used() <= before  # given back; the forget only shrank the session
 
@@ -294,8 +293,8 @@ def test_a_deferred_witness_holds_its_claim_until_it_ends_or_runs_inline_without
     http, gw, _ = kv
     monkeypatch.setattr(gw.erasure, "witness_mode", "deferred")
     size = gw.p.kernel.cache_bytes
-    claims, before, answer, (tokens, survivors) = forget_claims(http, gw, monkeypatch, "deferred", "ok")
-    assert claims == [max(size(tokens - answer["spans"][0][0] + 1), 2 * size(survivors))]
+    claims, before, answer, (_, survivors) = forget_claims(http, gw, monkeypatch, "deferred", "ok")
+    assert claims == [2 * size(survivors)]
     assert answer["witness"] is None and answer["audit_indices"] == [None]
     deadline = time.monotonic() + 120
     while gw.residency.used() > before and time.monotonic() < deadline:

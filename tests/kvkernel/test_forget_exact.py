@@ -130,3 +130,27 @@ def test_truncate_equals_fresh_prefix(tiny_kernel, tiny_tokens, never_saw):
     assert cache.tokens == tiny_tokens[:37]
     never_saw(tiny_kernel, cache)
     assert not cache._kv[:, :, :, 37:].any()
+
+
+@pytest.mark.parametrize("case", ["head", "several"])
+def test_forget_without_a_rollback_copy_is_as_exact(tiny_kernel, tiny_tokens, never_saw, case):
+    spans = _span_cases(len(tiny_tokens))[case]
+    cache = tiny_kernel.prefill(tiny_tokens)
+    result = cache.forget(spans, rollback=False)
+    _assert_witness_exact(result, _survivors(tiny_tokens, spans), spans)
+    never_saw(tiny_kernel, cache)
+
+
+def test_a_failed_forget_without_a_rollback_copy_leaves_nothing(tiny_kernel, tiny_tokens, monkeypatch):
+    """With no copy to restore, a recompute that fails wipes the cache: every row zeroed, no
+    token, no logits; the span is never left in memory, nor half a recompute."""
+    cache = tiny_kernel.prefill(tiny_tokens)
+    buffer = cache._kv
+
+    def broken(tokens):
+        raise RuntimeError("injected: the recompute failed")
+    monkeypatch.setattr(cache, "_append", broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        cache.forget([(5, 15)], rollback=False)
+    assert len(cache) == 0 and cache.nbytes == 0 and cache.logits is None
+    assert not buffer.any()  # the old buffer was zeroed before it was let go
