@@ -2,7 +2,7 @@
 
     nice -n 10 python -m gate.train.probe_features            # once: cache the states (resumable)
     python -m gate.train.probe_cv --cv > var/probe_cv.json      # seconds per setting from the cache
-    python -m gate.train.probe_cv --ship 8                      # write gate/weights/probe.{npz,json}
+    python -m gate.train.probe_cv --ship 12                     # write gate/weights/probe.{npz,json}
 
 Why: a probe chosen and calibrated on held-out *rows* looks good and fails on *kinds* it never
 saw (the wide set's figures). Here the wide set's host kinds go into ``HOST_FOLDS`` and its attack
@@ -56,18 +56,38 @@ class Setting:
     mil_top: int  # windows of an unlabelled injected document taken as positives
     contrast: bool  # train on the contrast kinds
     prior: bool = True  # the corpus-trained base probe's window logit is a feature
+    extra: bool = False  # train on the second round of contrast kinds (``contrast.extra_rows``) too
+    span: int = 1  # read-out windows of ``span * WINDOW`` tokens (stride ``WINDOW // 2``), averaged from the cache
+    rounds: int = 1  # multiple-instance rounds: later ones re-pick the positive windows by the previous fit
+
+    @property
+    def window(self) -> int:
+        return self.span * WINDOW
 
 
 def _fold(value: str | None, folds: tuple[set[str], ...]) -> int:
     return next((i for i, f in enumerate(folds) if value in f), -1)
 
 
-def matrices(fs: FeatureSet, cols: np.ndarray, prior: InjectionProbe | None) -> list[np.ndarray]:
+def widen(f: np.ndarray, span: int) -> np.ndarray:
+    """Means of ``span * WINDOW``-token windows every ``WINDOW // 2`` tokens from the cached
+    ``WINDOW``-token means (windows k, k+2, ..., k+2(span-1) tile it); a row too short for one such
+    window gets the mean of its windows. Exact except for the cache's end-aligned last window."""
+    if span == 1:
+        return f
+    step = 2 * (span - 1)
+    if len(f) <= step:
+        return f.astype(np.float32).mean(axis=0, keepdims=True)
+    return sum(f[k : len(f) - step + k].astype(np.float32) for k in range(0, step + 1, 2)) / span
+
+
+def matrices(fs: FeatureSet, cols: np.ndarray, prior: InjectionProbe | None, span: int = 1) -> list[np.ndarray]:
     """Per row, its windows' features for a setting: the chosen layers' columns, and the base
     probe's window logit when ``prior`` is given (what the corpus taught, kept as one feature)."""
     out = []
     pcols = fs.layer_slice(prior.layers) if prior is not None else None
     for f in fs.feats:
+        f = widen(f, span)
         x = f[:, cols].astype(np.float32)
         if prior is not None:
             z = ((f[:, pcols].astype(np.float64) - prior.mean) / prior.scale) @ prior.coef + prior.intercept
@@ -76,7 +96,8 @@ def matrices(fs: FeatureSet, cols: np.ndarray, prior: InjectionProbe | None) -> 
     return out
 
 
-def window_set(fs: FeatureSet, mats: list[np.ndarray], idx: np.ndarray, base_logits: list[np.ndarray] | None, top: int):
+def window_set(fs: FeatureSet, mats: list[np.ndarray], idx: np.ndarray, base_logits: list[np.ndarray] | None, top: int,
+               window: int = WINDOW):
     """Training windows of rows ``idx``: spans label windows; unlabelled injected rows contribute
     their ``top`` windows by ``base_logits`` (multiple-instance), benign rows every window."""
     xs, ys = [], []
@@ -88,8 +109,8 @@ def window_set(fs: FeatureSet, mats: list[np.ndarray], idx: np.ndarray, base_log
         elif "tokens" in row:
             a, b = row["tokens"]
             st = np.arange(len(f)) * stride
-            overlap = np.clip(np.minimum(st + WINDOW, b) - np.maximum(st, a), 0, None)
-            need = max(1, min(WINDOW, b - a) / 2)
+            overlap = np.clip(np.minimum(st + window, b) - np.maximum(st, a), 0, None)
+            need = max(1, min(window, b - a) / 2)
             keep = (overlap >= need) | (overlap == 0)
             xs.append(f[keep]), ys.append((overlap[keep] >= need).astype(float))
         elif base_logits is not None:
@@ -109,15 +130,21 @@ def fit(sets: dict[str, FeatureSet], mats: dict[str, list[np.ndarray]], wide_idx
     """Probe on the corpus (when cached), the contrast kinds (when chosen) and the given wide rows.
     An injected wide row has no span: its ``mil_top`` windows by the base probe's logit (the last
     feature), or without one by a first fit on the labelled rows, are its positives."""
-    names = [n for n in ("corpus", "contrast") if n in sets and (n != "contrast" or s.contrast)]
-    labelled = [window_set(sets[n], mats[n], np.arange(len(sets[n].rows)), None, 0) for n in names]
+    chosen = {"corpus": True, "contrast": s.contrast, "contrast-extra": s.extra}
+    names = [n for n in ("corpus", "contrast", "contrast-extra") if n in sets and chosen[n]]
+    labelled = [window_set(sets[n], mats[n], np.arange(len(sets[n].rows)), None, 0, s.window) for n in names]
     wide, wm = sets["wide"], mats["wide"]
     if s.prior:
         lookup = [m[:, -1] for m in wm]
     else:
         benign = np.array([i for i in wide_idx if wide.rows[i]["label"] != "injection"], dtype=int)
-        lookup = window_logits(wm, range(len(wm)), fit_logreg(*_cat(labelled + [window_set(wide, wm, benign, None, 0)]), s.l2))
-    return fit_logreg(*_cat(labelled + [window_set(wide, wm, np.asarray(wide_idx, dtype=int), lookup, s.mil_top)]), s.l2)
+        lookup = window_logits(wm, range(len(wm)), fit_logreg(*_cat(labelled + [window_set(wide, wm, benign, None, 0, s.window)]), s.l2))
+    idx = np.asarray(wide_idx, dtype=int)
+    fitted = fit_logreg(*_cat(labelled + [window_set(wide, wm, idx, lookup, s.mil_top, s.window)]), s.l2)
+    for _ in range(s.rounds - 1):  # re-pick each unlabelled injected row's positive windows by this fit
+        lookup = dict(zip(idx, window_logits(wm, idx, fitted)))
+        fitted = fit_logreg(*_cat(labelled + [window_set(wide, wm, idx, lookup, s.mil_top, s.window)]), s.l2)
+    return fitted
 
 
 def _cat(pairs):
@@ -127,8 +154,12 @@ def _cat(pairs):
 def cross_validate(sets: dict[str, FeatureSet], s: Setting) -> dict:
     """Out-of-fold window-max logits of every wide row (benign: one per attack fold)."""
     wide = sets["wide"]
+    missing = [n for n, want in (("contrast", s.contrast), ("contrast-extra", s.extra)) if want and n not in sets]
+    if missing:
+        raise SystemExit(f"{s} trains on {missing}, whose states are not cached: run "
+                         f"`nice -n 10 python -m gate.train.probe_features --sets {' '.join(missing)}` first")
     prior = InjectionProbe.load(BASE_PROBE) if s.prior else None
-    mats = {n: matrices(fs, fs.layer_slice(s.layers), prior) for n, fs in sets.items()}
+    mats = {n: matrices(fs, fs.layer_slice(s.layers), prior, s.span) for n, fs in sets.items()}
     hf = np.array([_fold(r["kind"], HOST_FOLDS) for r in wide.rows])
     af = np.array([_fold(r.get("attack"), ATTACK_FOLDS) for r in wide.rows])
     if (hf < 0).any():
@@ -203,9 +234,11 @@ def score_folds(inst: dict, with_byte: bool, fpr: float = TARGET_FPR) -> dict:
                                            "fpr": round(hits["fpr_num"] / hits["fpr_den"], 4)}}
 
 
-def report(wide: FeatureSet, inst: dict, res: dict, threshold: float | None = None) -> dict:
-    """Per host kind and per attack kind of the pooled out-of-fold scores."""
+def report(wide: FeatureSet, inst: dict, res: dict, threshold: float | None = None, policy_p: np.ndarray | None = None) -> dict:
+    """Per host kind and per attack kind of the pooled out-of-fold scores. The figures at the policy
+    ``threshold`` are read on ``policy_p`` (the scores that threshold was set on) when given."""
     p, y, w = res["p"], inst["y"], inst["w"]
+    q = p if policy_p is None else policy_p
     t1 = weighted_threshold(p, y, w, TARGET_FPR)
     kinds = np.array([wide.rows[k]["kind"] for k in inst["row"]])
     attacks = np.array([wide.rows[k].get("attack", "") for k in inst["row"]])
@@ -218,8 +251,8 @@ def report(wide: FeatureSet, inst: dict, res: dict, threshold: float | None = No
                  "fpr_at_1pct_threshold": round(float(np.sum(w[neg] * (p[neg] > t1)) / w[neg].sum()), 3) if neg.any() else None,
                  "ece": round(ece(p[m], y[m]), 3)}
         if threshold is not None:
-            entry.update(fpr_at_policy=round(float(np.sum(w[neg] * (p[neg] >= threshold)) / w[neg].sum()), 3) if neg.any() else None,
-                         recall_at_policy=round(float((p[pos] >= threshold).mean()), 3) if pos.any() else None)
+            entry.update(fpr_at_policy=round(float(np.sum(w[neg] * (q[neg] >= threshold)) / w[neg].sum()), 3) if neg.any() else None,
+                         recall_at_policy=round(float((q[pos] >= threshold).mean()), 3) if pos.any() else None)
         by_kind[kind] = entry
     by_attack = {a: round(float((p[(attacks == a) & (y == 1)] > t1).mean()), 3) for a in sorted(set(attacks[y == 1]))}
     return {"threshold_1pct_pooled": round(t1, 4), "by_kind": by_kind, "by_attack_recall_at_1pct_fpr": by_attack}
@@ -245,6 +278,10 @@ SETTINGS = [
     Setting((9, 12, 15, 18), 1e-2, 2, True), Setting(LAYERS, 1e-2, 2, False), Setting(LAYERS, 1e-2, 1, True),
     Setting((12, 18), 1e-2, 2, True, prior=False), Setting(LAYERS, 1e-1, 2, True), Setting(LAYERS, 1e-2, 4, True),
     Setting(LAYERS, 1.0, 2, True), Setting(LAYERS, 1e-1, 2, False),
+    # issue 15, second round: more contrast kinds, longer windows, re-picked positive windows
+    Setting(LAYERS, 1e-1, 2, True, extra=True), Setting(LAYERS, 1e-1, 2, True, span=2),
+    Setting(LAYERS, 1e-1, 2, True, rounds=2), Setting(LAYERS, 1e-1, 2, True, extra=True, span=2),
+    Setting(LAYERS, 1.0, 2, True, extra=True), Setting(LAYERS, 1e-2, 2, True, extra=True),
 ]
 
 
@@ -304,9 +341,9 @@ def ship(sets: dict[str, FeatureSet], s: Setting, out: Path) -> dict:
     threshold = weighted_threshold(stacked, y, wt, TARGET_FPR)
     folds, probe_folds = score_folds(inst, True), score_folds(inst, False)
     prior = InjectionProbe.load(BASE_PROBE) if s.prior else None
-    mats = {n: matrices(fs, fs.layer_slice(s.layers), prior) for n, fs in sets.items()}
+    mats = {n: matrices(fs, fs.layer_slice(s.layers), prior, s.span) for n, fs in sets.items()}
     layers, w, bias = fold_prior(fit(sets, mats, np.arange(len(wide.rows)), s), s.layers, prior)
-    meta = {"layers": list(layers), "hidden_size": 576, "window": WINDOW, "stride": WINDOW // 2, "intercept": bias,
+    meta = {"layers": list(layers), "hidden_size": 576, "window": s.window, "stride": WINDOW // 2, "intercept": bias,
             "platt": [float(a), float(c)], "model_identity": model_identity(), "plan": "leave-kinds-out",
             "setting": s.__dict__ | {"layers": list(s.layers)}, "base_probe": BASE_PROBE.name,
             "stack": {"coef": [float(st[0]), float(st[1])], "intercept": float(st[2])},
@@ -315,7 +352,7 @@ def ship(sets: dict[str, FeatureSet], s: Setting, out: Path) -> dict:
             "host_folds": [sorted(f) for f in HOST_FOLDS], "attack_folds": [sorted(f) for f in ATTACK_FOLDS],
             "trained_on": {k: len(v.rows) for k, v in sets.items()},
             "cross_validated_probe_alone": {k: v for k, v in probe_folds.items() if k != "p"},
-            "cross_validated": {**{k: v for k, v in folds.items() if k != "p"}, **report(wide, inst, folds, threshold),
+            "cross_validated": {**{k: v for k, v in folds.items() if k != "p"}, **report(wide, inst, folds, threshold, stacked),
                                 "at_shipped_threshold": _rates(stacked, y, wt, threshold - 1e-12)}}
     np.savez_compressed(out, mean=np.zeros_like(w, dtype=np.float32), scale=np.ones_like(w, dtype=np.float32),
                         coef=w.astype(np.float32), meta=json.dumps(meta))
@@ -330,7 +367,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ship", type=int, default=None, help="fit SETTINGS[i] on everything and write --out")
     ap.add_argument("--out", type=Path, default=PROBE_PATH)
     args = ap.parse_args(argv)
-    sets = load_all(extract=False, names=("wide", "contrast"))
+    sets = load_all(extract=False, names=("wide", "contrast", "contrast-extra"))
     if "wide" not in sets:
         raise SystemExit("no cached wide-set states: run `nice -n 10 python -m gate.train.probe_features` first")
     print(f"[probe_cv] cached: { {k: len(v.rows) for k, v in sets.items()} }", file=sys.stderr, flush=True)

@@ -1,6 +1,6 @@
 """Cached multi-layer window features for probe training and leave-kind-out cross-validation.
 
-    nice -n 10 python -m gate.train.probe_features --threads 2     # wide set, contrast kinds, training corpus
+    nice -n 10 python -m gate.train.probe_features --threads 2     # wide set and both rounds of contrast kinds
 
 Why: fitting and cross-validating a probe must take seconds, but SmolLM2's states of ~2,500
 documents take tens of minutes on a shared CPU. Each document is prefilled once (as the tool
@@ -129,12 +129,13 @@ def wide_rows(tok, path: Path = WIDE) -> list[dict]:
     return [{**r, "text": _truncate(tok, r["text"]), "prefix": i % len(PREFIXES)} for i, r in enumerate(rows)]
 
 
-def contrast_rows(tok) -> list[dict]:
+def contrast_rows(tok, extra: bool = False) -> list[dict]:
+    """The contrast kinds (``extra``: the second round, :func:`gate.train.contrast.extra_rows`)."""
     from gate.train import contrast
 
-    r = random.Random(SEED + 15)
+    r = random.Random(SEED + (16 if extra else 15))
     out = []
-    for row in contrast.rows():
+    for row in (contrast.extra_rows() if extra else contrast.rows()):
         text = _truncate(tok, row["text"])
         span = _token_span(tok, text, row["span"]) if "span" in row else None
         out.append({**row, "text": text, "prefix": r.randrange(len(PREFIXES)), **({"tokens": span} if span else {})})
@@ -161,7 +162,7 @@ def corpus_rows(tok, bipia: Path) -> list[dict]:
 
 def load_all(threads: int = 2, bipia: Path | None = None, cache_dir: Path = CACHE_DIR, extract: bool = True,
              names: tuple[str, ...] = ("wide", "contrast", "corpus")) -> dict[str, FeatureSet]:
-    """The sets ``wide``, ``contrast``, ``corpus``: extracting what is missing, or (``extract``
+    """The sets ``wide``, ``contrast``, ``contrast-extra``, ``corpus``: extracting what is missing, or (``extract``
     False) only what is cached, partial sets included."""
     from transformers import AutoTokenizer
 
@@ -170,7 +171,8 @@ def load_all(threads: int = 2, bipia: Path | None = None, cache_dir: Path = CACH
 
     tok = AutoTokenizer.from_pretrained(MODEL_DIR)
     make_ex = lambda: Extractor(layers=LAYERS, threads=threads)  # noqa: E731
-    sets = {"wide": lambda: wide_rows(tok), "contrast": lambda: contrast_rows(tok), "corpus": lambda: corpus_rows(tok, bipia or BIPIA_DIR)}
+    sets = {"wide": lambda: wide_rows(tok), "contrast": lambda: contrast_rows(tok),
+            "contrast-extra": lambda: contrast_rows(tok, extra=True), "corpus": lambda: corpus_rows(tok, bipia or BIPIA_DIR)}
     if extract:
         return {name: extract_set(name, sets[name](), make_ex, cache_dir) for name in names}
     found = {name: cached_set(name, sets[name](), cache_dir) for name in names}
@@ -181,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--bipia", type=Path, default=None)
-    ap.add_argument("--sets", nargs="*", default=["wide", "contrast"], help="of: wide contrast corpus")
+    ap.add_argument("--sets", nargs="*", default=["wide", "contrast", "contrast-extra"], help="of: wide contrast contrast-extra corpus")
     args = ap.parse_args(argv)
     for name, fs in load_all(args.threads, args.bipia, names=tuple(args.sets)).items():
         print(f"{name}: {len(fs.rows)} docs, {sum(len(f) for f in fs.feats)} windows", file=sys.stderr)

@@ -83,3 +83,51 @@ def test_contrast_positives_mark_their_instruction_and_negatives_have_none() -> 
             a, b = r["span"]
             assert 0 <= a < b <= len(r["text"])
             assert any(word in r["text"][a:b].lower() for word in ("assistant", "ai", "agent", "model", "llm", "instructions", "system"))
+
+
+def test_second_round_contrast_rows_mark_their_request_and_stay_off_the_wide_sets_kinds_and_families(wide_rows) -> None:
+    rows = contrast.extra_rows(20)
+    assert {r["kind"] for r in rows} == set(contrast.EXTRA_BENIGN) | set(contrast.EXTRA_INJECTED)
+    assert not {r["kind"] for r in rows} & {r["kind"] for r in wide_rows}
+    assert not set(contrast.TRAIN_FAMILIES) & {"manipulate_output", "scam"}
+    wide_texts = {r["text"] for r in wide_rows}
+    for r in rows:
+        assert r["text"] not in wide_texts
+        if r["label"] == "benign":
+            assert "span" not in r
+            continue
+        a, b = r["span"]
+        assert 0 <= a < b <= len(r["text"])
+        inside = r["text"][a:b]
+        assert "@@MARK@@" not in r["text"] and inside.strip() == inside and len(inside) > 10
+    calendar = [r for r in rows if r["kind"] == "c-agenda-injected"]
+    assert any(r["text"].startswith("BEGIN:VCALENDAR") for r in calendar)
+    assert any(json.loads(r["text"])["items"] for r in calendar if r["text"].startswith("{"))
+
+
+def test_widened_windows_are_the_means_of_the_longer_windows() -> None:
+    rng = np.random.default_rng(2)
+    states = rng.standard_normal((80, 4)).astype(np.float32)
+    from gate.probe import window_means
+
+    cached = window_means(states, 16, 8)
+    want = window_means(states, 32, 8)
+    got = probe_cv.widen(cached, 2)
+    np.testing.assert_allclose(got, want[: len(got)], rtol=1e-5, atol=1e-5)
+    assert len(got) == len(want) - 1 or len(got) == len(want)
+    np.testing.assert_allclose(probe_cv.widen(cached[:2], 2), cached[:2].mean(axis=0, keepdims=True), rtol=1e-6)
+
+
+def test_a_setting_refuses_to_run_without_the_contrast_states_it_trains_on(wide_rows) -> None:
+    rows = [r for r in wide_rows if r["kind"] == "notes"][:4]
+    with pytest.raises(SystemExit, match="contrast-extra"):
+        probe_cv.cross_validate({"wide": _fake_set(rows)}, probe_cv.Setting((12,), 1.0, 1, False, False, extra=True))
+
+
+def test_the_policy_default_is_the_shipped_probes_cross_validated_1pct_fpr_point() -> None:
+    meta = InjectionProbe.load().meta
+    defaults = json.loads((WIDE.parents[2] / "policies" / "data" / "defaults.json").read_text())
+    assert defaults["lethe"]["defaults"]["thresholds"]["injection"] == round(meta["policy_threshold"]["value"], 2)
+    cv = meta["cross_validated"]
+    assert cv["recall_at_1pct_fpr"] >= 0.80
+    assert cv["at_training_fold_threshold"]["fpr"] <= 0.02 and cv["at_training_fold_threshold"]["recall"] >= 0.70
