@@ -148,12 +148,17 @@ INJECTED: dict[str, Callable[[R], tuple[str, int, int]]] = {"c-agent-tools": age
 
 def rows(n_per_kind: int = 60, seed: int = 1507) -> list[dict]:
     """Contrastive rows: ``{text, label, kind[, span]}``, ``n_per_kind`` of every kind above."""
+    return _generated(BENIGN, INJECTED, n_per_kind, seed)
+
+
+def _generated(benign: dict[str, Callable[[R], str]], injected: dict[str, Callable[[R], tuple[str, int, int]]],
+               n_per_kind: int, seed: int) -> list[dict]:
     r, out = R(seed), []
-    for kind, gen in BENIGN.items():
+    for kind, gen in benign.items():
         out += [{"text": gen(r), "label": "benign", "kind": kind} for _ in range(n_per_kind)]
-    for kind, gen in INJECTED.items():
+    for kind, make in injected.items():
         for _ in range(n_per_kind):
-            text, a, b = gen(r)
+            text, a, b = make(r)
             out.append({"text": text, "label": "injection", "kind": kind, "attack": kind, "span": [a, b]})
     return out
 
@@ -317,11 +322,4 @@ EXTRA_INJECTED: dict[str, Callable[[R], tuple[str, int, int]]] = {"c-info-reques
 def extra_rows(n_per_kind: int = 60, seed: int = 1508) -> list[dict]:
     """The second round's rows, in the format of :func:`rows` (a separate set, so the first round's
     cached states stay valid)."""
-    r, out = R(seed), []
-    for kind, gen in EXTRA_BENIGN.items():
-        out += [{"text": gen(r), "label": "benign", "kind": kind} for _ in range(n_per_kind)]
-    for kind, gen in EXTRA_INJECTED.items():
-        for _ in range(n_per_kind):
-            text, a, b = gen(r)
-            out.append({"text": text, "label": "injection", "kind": kind, "attack": kind, "span": [a, b]})
-    return out
+    return _generated(EXTRA_BENIGN, EXTRA_INJECTED, n_per_kind, seed)
