@@ -49,7 +49,7 @@ def test_auth_required_and_checked(live_gateway):
 def test_malformed_json_and_unknown_role(live_gateway):
     with live_gateway.client() as http:
         bad = http.post("/v1/chat/completions", content=b"{not json", headers={"Content-Type": "application/json"})
-        assert bad.status_code == 400 and bad.json()["error"]["param"] == "body"
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
         role = chat(http, [{"role": "wizard", "content": "hi"}])
         assert role.status_code == 400 and role.json()["error"]["param"] == "messages[0].role"
         missing = chat(http, [{"role": "tool", "content": "x"}])
