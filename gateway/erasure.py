@@ -26,7 +26,7 @@ from ledger import ContentStore, ErasureIncomplete, Intent, Ledger, Segment, Seg
 from policies import PolicyEngine
 
 from .chat import ChatMessage, Conversation, stub_text
-from .errors import GatewayError, fails_as, not_found
+from .errors import GatewayError, NoRoom, fails_as, not_found
 from .metrics import Metrics
 from .residency import Residency
 from .sessions import LiveSession, PrefixCache, Sessions, prefill_pieces
@@ -257,9 +257,7 @@ class Erasure:
                 copies["resident"] = "none"
                 spans = []
             result = self._forget_kernel(live, spans) if spans else None
-        except GatewayError as err:
-            if err.code != "kv_budget_exhausted":
-                raise
+        except NoRoom as err:
             kind, spans = CONTENT_ERASE, []
             copies["resident"] = self._wiped_for_room(live, err)
         elapsed = time.perf_counter() - started
@@ -294,13 +292,13 @@ class Erasure:
         return {"kind": kind, "segments": [s.id for s in segments], "spans": [list(s) for s in spans],
                 "audit_indices": indices, "witness": witness, "latency_ms": round(elapsed * 1e3, 3)}
 
-    def _wiped_for_room(self, live: LiveSession, err: GatewayError) -> dict[str, Any]:
+    def _wiped_for_room(self, live: LiveSession, err: NoRoom) -> dict[str, Any]:
         """No room in the KV budget for the never-saw witness (a session near the budget's size,
         or too many turns mid-flight): erasure must not wait for memory, so the resident cache is
         zeroed and dropped instead (the next turn rebuilds the survivors from the ledger), and
         the records are `content-erase`, which claims no witness. Returns the copy's entry."""
-        log.warning("forget.no_room_for_witness", session=live.record.id, tokens=len(live.cache), reason=err.message)
         tokens = len(live.cache)
+        log.warning("forget.no_room_for_witness", session=live.record.id, tokens=tokens, reason=err.message)
         self.residency.drop(live)
         return {"action": "wiped", "tokens": tokens, "reason": "no room in the KV budget for the never-saw witness"}
 
@@ -314,9 +312,7 @@ class Erasure:
         if self.witness_mode == "deferred":
             try:
                 return self._edit(live, 2 * witness, live.cache.forget, spans, witness="deferred", rollback=False)
-            except GatewayError as err:
-                if err.code != "kv_budget_exhausted":
-                    raise
+            except NoRoom:
                 log.info("forget.witness_inline", session=live.record.id, reason="no room for a deferred copy")
         return self._edit(live, witness, live.cache.forget, spans, witness="full", rollback=False)
 

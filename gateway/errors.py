@@ -31,6 +31,14 @@ class GatewayError(Exception):
         return {"error": {"message": self.message, "type": kind, "code": self.code, "param": self.param}}
 
 
+class NoRoom(GatewayError):
+    """503 `kv_budget_exhausted`: the KV budget cannot hold what was asked even after evicting
+    every idle session. Its own type, so that erasure can take another path on it (never wait)."""
+
+    def __init__(self, message: str, *, retry_after: int) -> None:
+        super().__init__(503, "kv_budget_exhausted", message, retry_after=retry_after)
+
+
 def error_response(err: GatewayError) -> JSONResponse:
     headers = {"Retry-After": str(err.retry_after)} if err.retry_after else None
     return JSONResponse(err.body(), status_code=err.status, headers=headers)

@@ -29,7 +29,7 @@ from kvkernel import Kernel
 from ledger import Ledger, Segment, SegmentState
 from policies import PolicyEngine
 
-from .errors import GatewayError, busy, fails_as
+from .errors import NoRoom, busy, fails_as
 from .metrics import Metrics
 from .offload import Offload, OffloadCopy
 from .sessions import LiveSession, Priority, Sessions
@@ -67,7 +67,7 @@ class Residency:
         self._lock = threading.RLock()
         self._room = threading.Condition(self._lock)  # notified when an eviction ends or a turn settles
         self._leaving: dict[str, int] = {}  # sessions being evicted now -> the bytes they still hold
-        self._beside = 0  # bytes edits hold beside their caches: rollback copies, witnesses' references
+        self._beside = 0  # bytes edits hold beside their caches: witnesses' references and copies
         self.peak = 0  # the most bytes ever accounted at once (the bench reports it)
 
     # ---- accounting ----------------------------------------------------------------------------
@@ -146,20 +146,18 @@ class Residency:
                 self._room.notify_all()
 
     def claim_beside(self, live: LiveSession, nbytes: int) -> Callable[[], None]:
-        """Count `nbytes` that an edit of `live` holds beside its cache (the rollback copy of the
-        rows it recomputes, the never-saw witness's reference cache, a deferred witness's copy)
-        against the budget, evicting idle sessions for them first, or the 503 when they cannot
-        fit. Returns the release, to call once that memory is freed: after an inline witness,
+        """Count `nbytes` that an edit of `live` holds beside its cache (the never-saw witness's
+        reference cache, a deferred witness's copy, an amortize's rollback copies) against the
+        budget, evicting idle sessions for them first, or `NoRoom` when they cannot fit. Returns the release, to call once that memory is freed: after an inline witness,
         or when a deferred one finishes (red team: a forget of a long session held several
         cache-sized temporaries outside the budget, and deferred witnesses queued copies
         without bound)."""
         held = live.reserved
         try:
             self._make_room(live, max(held, live.cache.nbytes) + nbytes)
-        except GatewayError as err:
-            raise GatewayError(err.status, err.code, f"this edit (a forget or amortize and its never-saw witness) "
-                               f"needs {nbytes} bytes beside the session's cache; {err.message}",
-                               retry_after=err.retry_after) from err
+        except NoRoom as err:
+            raise NoRoom(f"this edit (a forget or amortize and its never-saw witness) needs {nbytes} bytes "
+                         f"beside the session's cache; {err.message}", retry_after=self._retry_after) from err
         with self._room:
             live.reserved = held
             self._beside += nbytes
@@ -240,16 +238,14 @@ class Residency:
                     raise self._exhausted(live, need, pinned)
                 self._room.wait(timeout=1.0)  # what is leaving may still be enough
 
-    def _exhausted(self, live: LiveSession, need: int, pinned: int) -> GatewayError:
+    def _exhausted(self, live: LiveSession, need: int, pinned: int) -> NoRoom:
         """The 503. Its message never says what other sessions hold: that is other tenants' business."""
         why = (f"this session alone needs {need} bytes of KV memory, more than the whole budget of {self.budget}"
                if need > self.budget else "the sessions now mid-turn leave too little room")
         log.warning("kv.budget_exhausted", session=live.record.id, need=need, budget=self.budget,
                     pinned=pinned)
-        return GatewayError(503, "kv_budget_exhausted",
-                            f"KV memory budget exhausted: {why} (LETHE_KV_BUDGET_BYTES={self.budget}); retry "
-                            "shortly, lower max_tokens, forget segments or raise the budget",
-                            retry_after=self._retry_after)
+        return NoRoom(f"KV memory budget exhausted: {why} (LETHE_KV_BUDGET_BYTES={self.budget}); retry "
+                      "shortly, lower max_tokens, forget segments or raise the budget", retry_after=self._retry_after)
 
     def _pick(self, exclude: LiveSession) -> tuple[LiveSession, float] | None:
         """The first idle session in (priority, last used) order whose lock is free, locked."""
