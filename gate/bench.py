@@ -103,6 +103,7 @@ def run_gate_bench(*, megabytes: int = 10, progress: bool = True) -> dict:
         "secrets": {k: v for k, v in secrets.items() if k != "recall_by_format"} | {
             "formats_below_1": {k: v for k, v in secrets["recall_by_format"].items() if v < 1}},
         "injection_by_kind": _by_kind(gate, say),
+        "injection_leave_kinds_out": shipped_cv(),
         "corpus_mb": round(mb, 2),
         "rules_layer_mb_s": round(mb / rules_s, 1),
         "secrets_only_mb_s": round(mb / secrets_s, 1),
@@ -116,6 +117,20 @@ def run_gate_bench(*, megabytes: int = 10, progress: bool = True) -> dict:
         "latency": latency,
         "threads": 1,
     }
+
+
+def shipped_cv() -> dict:
+    """The shipped probe stack's leave-kinds-out figures, as its training command recorded them in
+    its weights (recomputing them needs the cached model states: ``python -m gate.train.probe_cv
+    --cv``); so that the bench's JSON carries the issue's numbers with where they came from."""
+    meta = InjectionProbe.load().meta
+    cv = meta["cross_validated"]
+    return {"source": "recorded by `python -m gate.train.probe_cv --ship` in gate/weights/probe.json; "
+                      "recompute with `python -m gate.train.probe_cv --cv`",
+            "setting": meta["setting"], "host_folds": meta["host_folds"], "attack_folds": meta["attack_folds"],
+            "policy_threshold": meta["policy_threshold"],
+            **{k: cv[k] for k in ("recall_at_1pct_fpr", "auc", "ece", "at_training_fold_threshold",
+                                  "at_shipped_threshold", "by_kind", "by_attack_recall_at_1pct_fpr")}}
 
 
 def _by_kind(gate: Gate, say) -> dict:

@@ -131,3 +131,17 @@ def test_the_policy_default_is_the_shipped_probes_cross_validated_1pct_fpr_point
     cv = meta["cross_validated"]
     assert cv["recall_at_1pct_fpr"] >= 0.80
     assert cv["at_training_fold_threshold"]["fpr"] <= 0.02 and cv["at_training_fold_threshold"]["recall"] >= 0.70
+
+
+def test_the_gate_bench_reports_the_shipped_probes_leave_kinds_out_figures_and_they_meet_issue_15():
+    """`lethe bench gate --json` carries the figures the shipped weights were trained and
+    calibrated with (held out by host and attack kind), named with where they came from."""
+    from gate.bench import shipped_cv
+    from gate.probe import InjectionProbe
+
+    got = shipped_cv()
+    assert got["recall_at_1pct_fpr"] == InjectionProbe.load().meta["cross_validated"]["recall_at_1pct_fpr"]
+    assert "probe_cv" in got["source"] and got["host_folds"] and got["attack_folds"]
+    assert got["recall_at_1pct_fpr"] >= 0.80
+    held = got["at_training_fold_threshold"]
+    assert held["fpr"] <= 0.02 and held["recall"] >= 0.70
