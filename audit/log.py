@@ -43,6 +43,14 @@ PROOF_FORMAT = "lethe-erasure-proof/1"
 MAX_LIST = 1000
 
 
+# Statements built once: building a select costs more than SQLite answers it (0.15 ms vs 0.02 ms),
+# and these run in every append, under the write lock.
+_HEAD = select(select(func.coalesce(func.max(db.records.c.idx) + 1, 0)).scalar_subquery(),
+               select(func.coalesce(func.max(db.checkpoints.c.size), 0)).scalar_subquery())
+_SIZE = select(func.coalesce(func.max(db.records.c.idx) + 1, 0))
+_LATEST = select(db.checkpoints.c.size, db.checkpoints.c.note).order_by(db.checkpoints.c.size.desc()).limit(1)
+
+
 def _us(t: datetime) -> int:
     t = t if t.tzinfo else t.replace(tzinfo=timezone.utc)  # naive means UTC
     return int(t.timestamp() * 1_000_000)
@@ -186,7 +194,7 @@ class AuditLog:
             return [Checkpoint.from_note(note) for note in conn.execute(query).scalars()]
 
     def _checkpoint_locked(self, conn: Connection, edge: CompactRange) -> Checkpoint:
-        row = conn.execute(select(db.checkpoints.c.size, db.checkpoints.c.note).order_by(db.checkpoints.c.size.desc()).limit(1)).first()
+        row = conn.execute(_LATEST).first()
         if row and row.size == edge.size:
             return Checkpoint.from_note(row.note)
         if row and row.size > edge.size:
@@ -205,9 +213,7 @@ class AuditLog:
 
     def _head(self, conn: Connection) -> tuple[int, int]:
         """(records, size of the latest checkpoint) in one round trip: appends are latency-bound."""
-        records = select(func.coalesce(func.max(db.records.c.idx) + 1, 0)).scalar_subquery()
-        signed = select(func.coalesce(func.max(db.checkpoints.c.size), 0)).scalar_subquery()
-        row = conn.execute(select(records, signed)).one()
+        row = conn.execute(_HEAD).one()
         return row[0], row[1]
 
     def _checkpoint_covering(self, index: int) -> Checkpoint:
@@ -341,7 +347,7 @@ class AuditLog:
         return self._reader.connect()
 
     def _size(self, conn: Connection) -> int:
-        return conn.scalar(select(func.coalesce(func.max(db.records.c.idx) + 1, 0)))
+        return conn.scalar(_SIZE)
 
     def _nodes(self, conn: Connection, keys: set[tuple[int, int]], tree_size: int = 0) -> dict[tuple[int, int], bytes]:
         if not keys:

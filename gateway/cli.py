@@ -296,9 +296,11 @@ def gate_eval(data: Annotated[Path, typer.Option(help="JSONL of {text, label}")]
     scores, nbytes = scan_rows(rows, Gate(gitleaks_config=s.gitleaks_config))
     cached = False
     if probe:
+        from gate import InjectionProbe
         from gate.train.eval_full import stack_scores
 
         _, scores["injection"], cached = stack_scores(rows, scores["injection"], name=data.stem, model_dir=model_dir,
+                                                      probe=InjectionProbe.load(s.probe_path),  # LETHE_PROBE_PATH
                                                       threads=1)  # 2 threads thrash on a shared 2-core machine
     thresholds = _policy_thresholds(s)
     result = report(data, rows, scores, nbytes, time.perf_counter() - started, thresholds=thresholds)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from gate import GateError, InjectionProbe
-from gate.probe import window_features, window_means
+from gate.probe import PROBE_PATH, window_features, window_means
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_DIR = REPO / "var" / "models" / "SmolLM2-135M-Instruct"
@@ -152,3 +152,12 @@ def test_gate_eval_with_probe_scores_the_stack(tmp_path: Path, monkeypatch, real
     assert again["injection"]["roc_auc"] == result["injection"]["roc_auc"] and "cached" in again["note"]
     plain = json.loads(runner.invoke(cli, ["gate", "eval", "--data", str(data), "--json"]).stdout)
     assert plain["injection_scorer"] == "byte gate"
+    # LETHE_PROBE_PATH is the probe evaluated (a probe trained for another model is judged by it):
+    # one whose intercept flags everything gives FPR 1 on the same cached states
+    with np.load(PROBE_PATH) as z:
+        meta = json.loads(str(z["meta"]))
+        arrays = {k: z[k] for k in ("mean", "scale", "coef")}
+    np.savez(tmp_path / "loud.npz", **arrays, meta=json.dumps({**meta, "intercept": meta["intercept"] + 1e4}))
+    monkeypatch.setenv("LETHE_PROBE_PATH", str(tmp_path / "loud.npz"))
+    loud = json.loads(runner.invoke(cli, ["gate", "eval", "--data", str(data), "--probe", "--json"]).stdout)
+    assert loud["injection"]["at_policy_threshold"]["fpr"] == 1.0 and result["injection"]["at_policy_threshold"]["fpr"] < 1.0

@@ -105,6 +105,28 @@ def test_second_round_contrast_rows_mark_their_request_and_stay_off_the_wide_set
     assert any(json.loads(r["text"])["items"] for r in calendar if r["text"].startswith("{"))
 
 
+def test_third_round_rows_mark_their_instruction_and_share_no_sentence_with_the_red_teams_held_out_set(wide_rows) -> None:
+    from gate.train import contrast3
+
+    rows = contrast3.third_rows(30)
+    assert {r["kind"] for r in rows} == set(contrast3.THIRD_BENIGN) | set(contrast3.THIRD_INJECTED)
+    assert not {r["kind"] for r in rows} & {r["kind"] for r in wide_rows}
+    held_out = [json.loads(line)["text"] for line in (WIDE.parent / "fresh_redteam_s4.jsonl").read_text().splitlines()]
+    held_out_words = {tuple(t.split()[i:i + 6]) for t in held_out for i in range(max(0, len(t.split()) - 5))}
+    for r in rows:
+        words = r["text"].split()
+        assert not {tuple(words[i:i + 6]) for i in range(max(0, len(words) - 5))} & held_out_words, r["text"]
+        if r["label"] == "benign":
+            assert "span" not in r
+            continue
+        a, b = r["span"]
+        inside = r["text"][a:b]
+        assert "@@MARK@@" not in r["text"] and inside.strip() == inside and len(inside) > 10
+    languages = {lang for r in rows if r["kind"] == "c-multilingual-injected"
+                 for lang, wraps in contrast3.WRAPS.items() if any(w.split("{x}")[0] in r["text"] for w in wraps)}
+    assert languages == set(contrast3.WRAPS)
+
+
 def test_widened_windows_are_the_means_of_the_longer_windows() -> None:
     rng = np.random.default_rng(2)
     states = rng.standard_normal((80, 4)).astype(np.float32)
