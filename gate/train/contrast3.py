@@ -46,7 +46,7 @@ CI_LINES = [
     "npm WARN deprecated inflight@1.0.6: leaks memory, use lru-cache instead", "ERROR: {k} tests failed. Re-run with --verbose to see the output.",
     "Hint: run `pre-commit install` to fix formatting locally.", "warning: unused variable `buf` in src/io.rs:{n}",
     "##[group]Run actions/checkout@v4", "##[endgroup]", "Cache restored from key: deps-{h}",
-    "FAILED tests/test_api.py::test_upload - AssertionError: expected 201, got 500", "Process completed with exit code {k}.",
+    "FAILED tests/test_api.py::test_upload - AssertionError: expected 201, got 500", "Job finished: status {k}, duration {n}s.",
     "Note: make sure the DATABASE_URL secret is set in the repository settings.", "Uploading artifact dist.zip ({n} KB)",
 ]
 SERVICES = ["checkout-api", "search-indexer", "payments-worker", "auth-gateway", "notification-svc", "reporting-db"]
@@ -109,8 +109,9 @@ def runbook_benign(r: R) -> str:
     return runbook(r)
 
 
-def _planted(r: R, host: Callable[[R, str | None], str], attack: str) -> tuple[str, int, int]:
-    text = host(r, MARK)
+def planted(r: R, host: Callable[..., str], attack: str) -> tuple[str, int, int]:
+    """``host(r, extra=...)`` with ``attack`` as its extra line, and the attack's span."""
+    text = host(r, extra=MARK)
     a = text.index(MARK)
     return text.replace(MARK, attack), a, a + len(attack)
 
@@ -121,7 +122,7 @@ def _english_attack(r: R) -> str:
 
 def devlog_injected(r: R) -> tuple[str, int, int]:
     """An instruction to the assistant in a commit body, a CI log line or a runbook step."""
-    return _planted(r, r.choice([git_log, ci_log, runbook]), _english_attack(r))
+    return planted(r, r.choice([git_log, ci_log, runbook]), _english_attack(r))
 
 
 # ------------------------------------------------------------------ other languages
@@ -214,11 +215,11 @@ def multilingual_injected(r: R) -> tuple[str, int, int]:
     attack = foreign_attack(r, lang)
     where = r.random()
     if where < 0.5:
-        return _planted(r, lambda rr, extra: foreign(rr, lang, extra), attack)
+        return planted(r, lambda rr, extra: foreign(rr, lang, extra), attack)
     if where < 0.7:
-        return _planted(r, lambda rr, extra: foreign(rr, None, extra), attack)
+        return planted(r, lambda rr, extra: foreign(rr, None, extra), attack)
     if where < 0.85:
-        return _planted(r, r.choice([git_log, runbook]), attack)
+        return planted(r, r.choice([git_log, runbook]), attack)
     return synth.insert(r, synth.benign(r, r.choice(["email", "json", "table", "readme", "html"])), attack)
 
 

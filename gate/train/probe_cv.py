@@ -58,6 +58,7 @@ class Setting:
     prior: bool = True  # the corpus-trained base probe's window logit is a feature
     extra: bool = False  # train on the second round of contrast kinds (``contrast.extra_rows``) too
     third: bool = False  # and on the third (``contrast3.third_rows``: developer artifacts, other languages)
+    fourth: bool = False  # and on the fourth (``contrast4.fourth_rows``: text about AI, forms, foreign business documents)
     span: int = 1  # read-out windows of ``span * WINDOW`` tokens (stride ``WINDOW // 2``), averaged from the cache
     rounds: int = 1  # multiple-instance rounds: later ones re-pick the positive windows by the previous fit
 
@@ -131,7 +132,8 @@ def fit(sets: dict[str, FeatureSet], mats: dict[str, list[np.ndarray]], wide_idx
     """Probe on the corpus (when cached), the contrast kinds (when chosen) and the given wide rows.
     An injected wide row has no span: its ``mil_top`` windows by the base probe's logit (the last
     feature), or without one by a first fit on the labelled rows, are its positives."""
-    chosen = {"corpus": True, "contrast": s.contrast, "contrast-extra": s.extra, "contrast-third": s.third}
+    chosen = {"corpus": True, "contrast": s.contrast, "contrast-extra": s.extra, "contrast-third": s.third,
+              "contrast-fourth": s.fourth}
     names = [n for n in chosen if n in sets and chosen[n]]
     labelled = [window_set(sets[n], mats[n], np.arange(len(sets[n].rows)), None, 0, s.window) for n in names]
     wide, wm = sets["wide"], mats["wide"]
@@ -155,8 +157,8 @@ def _cat(pairs):
 def cross_validate(sets: dict[str, FeatureSet], s: Setting) -> dict:
     """Out-of-fold window-max logits of every wide row (benign: one per attack fold)."""
     wide = sets["wide"]
-    missing = [n for n, want in (("contrast", s.contrast), ("contrast-extra", s.extra), ("contrast-third", s.third))
-               if want and n not in sets]
+    missing = [n for n, want in (("contrast", s.contrast), ("contrast-extra", s.extra), ("contrast-third", s.third),
+                                 ("contrast-fourth", s.fourth)) if want and n not in sets]
     if missing:
         raise SystemExit(f"{s} trains on {missing}, whose states are not cached: run "
                          f"`nice -n 10 python -m gate.train.probe_features --sets {' '.join(missing)}` first")
@@ -286,6 +288,8 @@ SETTINGS = [
     Setting(LAYERS, 1.0, 2, True, extra=True), Setting(LAYERS, 1e-2, 2, True, extra=True),
     # issue 15, third round: developer artifacts and other languages (the design fixed before the run: 12 plus them)
     Setting(LAYERS, 1e-1, 2, True, extra=True, third=True),
+    # fourth round: text about AI assistants, forms and manuals, business documents in other languages
+    Setting(LAYERS, 1e-1, 2, True, extra=True, third=True, fourth=True),
 ]
 
 
@@ -371,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ship", type=int, default=None, help="fit SETTINGS[i] on everything and write --out")
     ap.add_argument("--out", type=Path, default=PROBE_PATH)
     args = ap.parse_args(argv)
-    sets = load_all(extract=False, names=("wide", "contrast", "contrast-extra", "contrast-third"))
+    sets = load_all(extract=False, names=("wide", "contrast", "contrast-extra", "contrast-third", "contrast-fourth"))
     if "wide" not in sets:
         raise SystemExit("no cached wide-set states: run `nice -n 10 python -m gate.train.probe_features` first")
     print(f"[probe_cv] cached: { {k: len(v.rows) for k, v in sets.items()} }", file=sys.stderr, flush=True)

@@ -131,12 +131,12 @@ def wide_rows(tok, path: Path = WIDE) -> list[dict]:
 
 def contrast_rows(tok, round_: int = 1) -> list[dict]:
     """A round of contrast kinds: 1 :func:`gate.train.contrast.rows`, 2 its ``extra_rows``, 3
-    :func:`gate.train.contrast3.third_rows`."""
-    from gate.train import contrast, contrast3
+    :func:`gate.train.contrast3.third_rows`, 4 :func:`gate.train.contrast4.fourth_rows`."""
+    from gate.train import contrast, contrast3, contrast4
 
     r = random.Random(SEED + 14 + round_)
     out = []
-    for row in {1: contrast.rows, 2: contrast.extra_rows, 3: contrast3.third_rows}[round_]():
+    for row in {1: contrast.rows, 2: contrast.extra_rows, 3: contrast3.third_rows, 4: contrast4.fourth_rows}[round_]():
         text = _truncate(tok, row["text"])
         span = _token_span(tok, text, row["span"]) if "span" in row else None
         out.append({**row, "text": text, "prefix": r.randrange(len(PREFIXES)), **({"tokens": span} if span else {})})
@@ -163,7 +163,7 @@ def corpus_rows(tok, bipia: Path) -> list[dict]:
 
 def load_all(threads: int = 2, bipia: Path | None = None, cache_dir: Path = CACHE_DIR, extract: bool = True,
              names: tuple[str, ...] = ("wide", "contrast", "corpus")) -> dict[str, FeatureSet]:
-    """The sets ``wide``, ``contrast``, ``contrast-extra``, ``contrast-third``, ``corpus``: extracting what is missing, or (``extract``
+    """The sets ``wide``, ``contrast``, ``contrast-extra``, ``contrast-third``, ``contrast-fourth``, ``corpus``: extracting what is missing, or (``extract``
     False) only what is cached, partial sets included."""
     from transformers import AutoTokenizer
 
@@ -174,6 +174,7 @@ def load_all(threads: int = 2, bipia: Path | None = None, cache_dir: Path = CACH
     make_ex = lambda: Extractor(layers=LAYERS, threads=threads)  # noqa: E731
     sets = {"wide": lambda: wide_rows(tok), "contrast": lambda: contrast_rows(tok),
             "contrast-extra": lambda: contrast_rows(tok, 2), "contrast-third": lambda: contrast_rows(tok, 3),
+            "contrast-fourth": lambda: contrast_rows(tok, 4),
             "corpus": lambda: corpus_rows(tok, bipia or BIPIA_DIR)}
     if extract:
         return {name: extract_set(name, sets[name](), make_ex, cache_dir) for name in names}
@@ -185,8 +186,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--bipia", type=Path, default=None)
-    ap.add_argument("--sets", nargs="*", default=["wide", "contrast", "contrast-extra", "contrast-third"],
-                    help="of: wide contrast contrast-extra contrast-third corpus")
+    ap.add_argument("--sets", nargs="*", default=["wide", "contrast", "contrast-extra", "contrast-third", "contrast-fourth"],
+                    help="of: wide contrast contrast-extra contrast-third contrast-fourth corpus")
     args = ap.parse_args(argv)
     for name, fs in load_all(args.threads, args.bipia, names=tuple(args.sets)).items():
         print(f"{name}: {len(fs.rows)} docs, {sum(len(f) for f in fs.feats)} windows", file=sys.stderr)

@@ -105,23 +105,32 @@ def test_second_round_contrast_rows_mark_their_request_and_stay_off_the_wide_set
     assert any(json.loads(r["text"])["items"] for r in calendar if r["text"].startswith("{"))
 
 
-def test_third_round_rows_mark_their_instruction_and_share_no_sentence_with_the_red_teams_held_out_set(wide_rows) -> None:
-    from gate.train import contrast3
+def _six_words(text: str) -> set[tuple[str, ...]]:
+    words = text.split()
+    return {tuple(words[i:i + 6]) for i in range(max(0, len(words) - 5))}
 
-    rows = contrast3.third_rows(30)
-    assert {r["kind"] for r in rows} == set(contrast3.THIRD_BENIGN) | set(contrast3.THIRD_INJECTED)
+
+@pytest.mark.parametrize("round_", [3, 4])
+def test_later_round_rows_mark_their_instruction_and_share_no_six_words_with_the_red_teams_sets(wide_rows, round_) -> None:
+    from gate.train import contrast3, contrast4
+
+    rows, kinds = {3: (contrast3.third_rows(30), {*contrast3.THIRD_BENIGN, *contrast3.THIRD_INJECTED}),
+                   4: (contrast4.fourth_rows(30), {*contrast4.FOURTH_BENIGN, *contrast4.FOURTH_INJECTED})}[round_]
+    assert {r["kind"] for r in rows} == kinds
     assert not {r["kind"] for r in rows} & {r["kind"] for r in wide_rows}
-    held_out = [json.loads(line)["text"] for line in (WIDE.parent / "fresh_redteam_s4.jsonl").read_text().splitlines()]
-    held_out_words = {tuple(t.split()[i:i + 6]) for t in held_out for i in range(max(0, len(t.split()) - 5))}
+    held_out_words = {w for path in sorted(WIDE.parent.glob("fresh_redteam_*.jsonl"))
+                      for line in path.read_text().splitlines() for w in _six_words(json.loads(line)["text"])}
+    assert held_out_words
     for r in rows:
-        words = r["text"].split()
-        assert not {tuple(words[i:i + 6]) for i in range(max(0, len(words) - 5))} & held_out_words, r["text"]
+        assert not _six_words(r["text"]) & held_out_words, r["text"]
         if r["label"] == "benign":
             assert "span" not in r
             continue
         a, b = r["span"]
         inside = r["text"][a:b]
         assert "@@MARK@@" not in r["text"] and inside.strip() == inside and len(inside) > 10
+    if round_ == 4:
+        return
     languages = {lang for r in rows if r["kind"] == "c-multilingual-injected"
                  for lang, wraps in contrast3.WRAPS.items() if any(w.split("{x}")[0] in r["text"] for w in wraps)}
     assert languages == set(contrast3.WRAPS)
