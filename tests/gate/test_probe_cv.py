@@ -110,16 +110,27 @@ def _six_words(text: str) -> set[tuple[str, ...]]:
     return {tuple(words[i:i + 6]) for i in range(max(0, len(words) - 5))}
 
 
+def _without(text: str, phrases: tuple[str, ...]) -> str:
+    for phrase in phrases:
+        text = text.replace(phrase, " | ")
+    return text
+
+
 @pytest.mark.parametrize("round_", [3, 4])
 def test_later_round_rows_mark_their_instruction_and_share_no_six_words_with_the_red_teams_sets(wide_rows, round_) -> None:
     from gate.train import contrast3, contrast4
 
-    rows, kinds = {3: (contrast3.third_rows(30), {*contrast3.THIRD_BENIGN, *contrast3.THIRD_INJECTED}),
-                   4: (contrast4.fourth_rows(30), {*contrast4.FOURTH_BENIGN, *contrast4.FOURTH_INJECTED})}[round_]
+    rows, kinds = {3: (contrast3.third_rows(), {*contrast3.THIRD_BENIGN, *contrast3.THIRD_INJECTED}),
+                   4: (contrast4.fourth_rows(), {*contrast4.FOURTH_BENIGN, *contrast4.FOURTH_INJECTED})}[round_]
     assert {r["kind"] for r in rows} == kinds
     assert not {r["kind"] for r in rows} & {r["kind"] for r in wide_rows}
-    held_out_words = {w for path in sorted(WIDE.parent.glob("fresh_redteam_*.jsonl"))
-                      for line in path.read_text().splitlines() for w in _six_words(json.loads(line)["text"])}
+    # Public boilerplate both sides wrote from common usage, not from each other (set s6 was written
+    # after these templates, by a writer who never saw them): the example IBAN of every IBAN guide,
+    # and the German invoice's standard payment term.
+    boilerplate = ("DE89 3704 0044 0532 0130 00", "Zahlbar innerhalb von 14 Tagen ohne Abzug")
+    held_out = [json.loads(line)["text"] for path in sorted(WIDE.parent.glob("fresh_redteam_*.jsonl"))
+                for line in path.read_text().splitlines()]
+    held_out_words = {w for text in held_out for w in _six_words(_without(text, boilerplate))}
     assert held_out_words
     for r in rows:
         assert not _six_words(r["text"]) & held_out_words, r["text"]
