@@ -59,6 +59,7 @@ class Setting:
     extra: bool = False  # train on the second round of contrast kinds (``contrast.extra_rows``) too
     third: bool = False  # and on the third (``contrast3.third_rows``: developer artifacts, other languages)
     fourth: bool = False  # and on the fourth (``contrast4.fourth_rows``: text about AI, forms, foreign business documents)
+    redteam: bool = False  # and on the red-team sets already used as judges (``probe_features.REDTEAM_TRAIN``)
     span: int = 1  # read-out windows of ``span * WINDOW`` tokens (stride ``WINDOW // 2``), averaged from the cache
     rounds: int = 1  # multiple-instance rounds: later ones re-pick the positive windows by the previous fit
 
@@ -133,9 +134,11 @@ def fit(sets: dict[str, FeatureSet], mats: dict[str, list[np.ndarray]], wide_idx
     An injected wide row has no span: its ``mil_top`` windows by the base probe's logit (the last
     feature), or without one by a first fit on the labelled rows, are its positives."""
     chosen = {"corpus": True, "contrast": s.contrast, "contrast-extra": s.extra, "contrast-third": s.third,
-              "contrast-fourth": s.fourth}
+              "contrast-fourth": s.fourth, "redteam": s.redteam}
     names = [n for n in chosen if n in sets and chosen[n]]
-    labelled = [window_set(sets[n], mats[n], np.arange(len(sets[n].rows)), None, 0, s.window) for n in names]
+    # rows without spans (the red-team sets) take their top windows by the base probe, as wide rows do
+    labelled = [window_set(sets[n], mats[n], np.arange(len(sets[n].rows)), [m[:, -1] for m in mats[n]] if s.prior else None,
+                           s.mil_top, s.window) for n in names]
     wide, wm = sets["wide"], mats["wide"]
     if s.prior:
         lookup = [m[:, -1] for m in wm]
@@ -158,7 +161,7 @@ def cross_validate(sets: dict[str, FeatureSet], s: Setting) -> dict:
     """Out-of-fold window-max logits of every wide row (benign: one per attack fold)."""
     wide = sets["wide"]
     missing = [n for n, want in (("contrast", s.contrast), ("contrast-extra", s.extra), ("contrast-third", s.third),
-                                 ("contrast-fourth", s.fourth)) if want and n not in sets]
+                                 ("contrast-fourth", s.fourth), ("redteam", s.redteam)) if want and n not in sets]
     if missing:
         raise SystemExit(f"{s} trains on {missing}, whose states are not cached: run "
                          f"`nice -n 10 python -m gate.train.probe_features --sets {' '.join(missing)}` first")
@@ -290,6 +293,8 @@ SETTINGS = [
     Setting(LAYERS, 1e-1, 2, True, extra=True, third=True),
     # fourth round: text about AI assistants, forms and manuals, business documents in other languages
     Setting(LAYERS, 1e-1, 2, True, extra=True, third=True, fourth=True),
+    # and the hand-written red-team sets s4-s6 (judged on a set written after them)
+    Setting(LAYERS, 1e-1, 2, True, extra=True, third=True, fourth=True, redteam=True),
 ]
 
 
@@ -375,7 +380,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ship", type=int, default=None, help="fit SETTINGS[i] on everything and write --out")
     ap.add_argument("--out", type=Path, default=PROBE_PATH)
     args = ap.parse_args(argv)
-    sets = load_all(extract=False, names=("wide", "contrast", "contrast-extra", "contrast-third", "contrast-fourth"))
+    sets = load_all(extract=False, names=("wide", "contrast", "contrast-extra", "contrast-third", "contrast-fourth", "redteam"))
     if "wide" not in sets:
         raise SystemExit("no cached wide-set states: run `nice -n 10 python -m gate.train.probe_features` first")
     print(f"[probe_cv] cached: { {k: len(v.rows) for k, v in sets.items()} }", file=sys.stderr, flush=True)

@@ -32,6 +32,9 @@ WINDOW = 16
 MAX_TOKENS = 512
 CHUNK = 25
 WIDE = Path(__file__).resolve().parents[1] / "data" / "kinds_wide.jsonl"
+# Hand-written red-team sets that may be trained on (``redteam_rows``): sets already used to judge
+# a shipped probe. A set not listed here stays held out.
+REDTEAM_TRAIN = ("fresh_redteam_s4.jsonl", "fresh_redteam_s5.jsonl", "fresh_redteam_s6.jsonl")
 
 
 @dataclass
@@ -143,6 +146,19 @@ def contrast_rows(tok, round_: int = 1) -> list[dict]:
     return out
 
 
+def redteam_rows(tok) -> list[dict]:
+    """The red-team sets of ``REDTEAM_TRAIN`` (injected rows have no span: multiple-instance, as
+    the wide set's), each row prefixed at random and truncated as the other sets."""
+    r = random.Random(SEED + 20)
+    out = []
+    for name in REDTEAM_TRAIN:
+        for line in (WIDE.parent / name).read_text(encoding="utf-8").splitlines():
+            row = json.loads(line)
+            out.append({**row, "kind": "redteam:" + row["kind"], "text": _truncate(tok, row["text"]),
+                        "prefix": r.randrange(len(PREFIXES))})
+    return out
+
+
 def corpus_rows(tok, bipia: Path) -> list[dict]:
     """``train_probe``'s CUT samples of the train and dev splits (never test: its attack families
     are the wide set's), as rows with a kind per source."""
@@ -163,7 +179,7 @@ def corpus_rows(tok, bipia: Path) -> list[dict]:
 
 def load_all(threads: int = 2, bipia: Path | None = None, cache_dir: Path = CACHE_DIR, extract: bool = True,
              names: tuple[str, ...] = ("wide", "contrast", "corpus")) -> dict[str, FeatureSet]:
-    """The sets ``wide``, ``contrast``, ``contrast-extra``, ``contrast-third``, ``contrast-fourth``, ``corpus``: extracting what is missing, or (``extract``
+    """The sets ``wide``, ``contrast``, ``contrast-extra``, ``contrast-third``, ``contrast-fourth``, ``redteam``, ``corpus``: extracting what is missing, or (``extract``
     False) only what is cached, partial sets included."""
     from transformers import AutoTokenizer
 
@@ -174,7 +190,7 @@ def load_all(threads: int = 2, bipia: Path | None = None, cache_dir: Path = CACH
     make_ex = lambda: Extractor(layers=LAYERS, threads=threads)  # noqa: E731
     sets = {"wide": lambda: wide_rows(tok), "contrast": lambda: contrast_rows(tok),
             "contrast-extra": lambda: contrast_rows(tok, 2), "contrast-third": lambda: contrast_rows(tok, 3),
-            "contrast-fourth": lambda: contrast_rows(tok, 4),
+            "contrast-fourth": lambda: contrast_rows(tok, 4), "redteam": lambda: redteam_rows(tok),
             "corpus": lambda: corpus_rows(tok, bipia or BIPIA_DIR)}
     if extract:
         return {name: extract_set(name, sets[name](), make_ex, cache_dir) for name in names}
@@ -187,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--bipia", type=Path, default=None)
     ap.add_argument("--sets", nargs="*", default=["wide", "contrast", "contrast-extra", "contrast-third", "contrast-fourth"],
-                    help="of: wide contrast contrast-extra contrast-third contrast-fourth corpus")
+                    help="of: wide contrast contrast-extra contrast-third contrast-fourth redteam corpus")
     args = ap.parse_args(argv)
     for name, fs in load_all(args.threads, args.bipia, names=tuple(args.sets)).items():
         print(f"{name}: {len(fs.rows)} docs, {sum(len(f) for f in fs.feats)} windows", file=sys.stderr)

@@ -147,6 +147,14 @@ def test_later_round_rows_mark_their_instruction_and_share_no_six_words_with_the
     assert languages == set(contrast3.WRAPS)
 
 
+def test_the_newest_red_team_set_stays_out_of_training_as_the_judge() -> None:
+    from gate.train.probe_features import REDTEAM_TRAIN
+
+    sets = sorted(p.name for p in WIDE.parent.glob("fresh_redteam_s*.jsonl"))
+    assert set(REDTEAM_TRAIN) < set(sets)
+    assert max(sets, key=lambda name: int(name.removeprefix("fresh_redteam_s").removesuffix(".jsonl"))) not in REDTEAM_TRAIN
+
+
 def test_widened_windows_are_the_means_of_the_longer_windows() -> None:
     rng = np.random.default_rng(2)
     states = rng.standard_normal((80, 4)).astype(np.float32)
