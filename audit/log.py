@@ -45,9 +45,8 @@ MAX_LIST = 1000
 
 # Statements built once: building a select costs more than SQLite answers it (0.15 ms vs 0.02 ms),
 # and these run in every append, under the write lock.
-_HEAD = select(select(func.coalesce(func.max(db.records.c.idx) + 1, 0)).scalar_subquery(),
-               select(func.coalesce(func.max(db.checkpoints.c.size), 0)).scalar_subquery())
 _SIZE = select(func.coalesce(func.max(db.records.c.idx) + 1, 0))
+_HEAD = select(_SIZE.scalar_subquery(), select(func.coalesce(func.max(db.checkpoints.c.size), 0)).scalar_subquery())
 _LATEST = select(db.checkpoints.c.size, db.checkpoints.c.note).order_by(db.checkpoints.c.size.desc()).limit(1)
 
 

@@ -90,6 +90,7 @@ def ci_log(r: R, extra: str | None = None) -> str:
 
 
 def runbook(r: R, extra: str | None = None) -> str:
+    """A runbook or an incident checklist: orders, all of them for the on-call engineer."""
     steps = [_fill(r, s) for s in r.sample(RUNBOOK_STEPS, r.randint(3, 7))]
     if extra is not None:
         steps.insert(r.randint(1, len(steps)), extra)
@@ -102,11 +103,6 @@ def runbook(r: R, extra: str | None = None) -> str:
 def devlog(r: R) -> str:
     """A git log or a CI log: imperative subjects and notes for the developers."""
     return r.choice([git_log, ci_log])(r)
-
-
-def runbook_benign(r: R) -> str:
-    """A runbook or an incident checklist: orders, all of them for the on-call engineer."""
-    return runbook(r)
 
 
 def planted(r: R, host: Callable[..., str], attack: str) -> tuple[str, int, int]:
@@ -200,10 +196,6 @@ def foreign(r: R, lang: str | None = None, extra: str | None = None) -> str:
     return "\n".join(f"- {s}" for s in lines)
 
 
-def multilingual(r: R) -> str:
-    return foreign(r)
-
-
 def foreign_attack(r: R, lang: str) -> str:
     x = r.choice(ACTS[lang]).format(f=r.choice(FILES), a=r.choice(ADDRS), m=r.randint(100, 9900), i=r.choice(IBANS), u=r.choice(URLS))
     return r.choice(WRAPS[lang]).format(x=x)
@@ -223,7 +215,7 @@ def multilingual_injected(r: R) -> tuple[str, int, int]:
     return synth.insert(r, synth.benign(r, r.choice(["email", "json", "table", "readme", "html"])), attack)
 
 
-THIRD_BENIGN: dict[str, Callable[[R], str]] = {"c-devlog": devlog, "c-runbook": runbook_benign, "c-multilingual": multilingual}
+THIRD_BENIGN: dict[str, Callable[[R], str]] = {"c-devlog": devlog, "c-runbook": runbook, "c-multilingual": foreign}
 THIRD_INJECTED: dict[str, Callable[[R], tuple[str, int, int]]] = {"c-devlog-injected": devlog_injected,
                                                                    "c-multilingual-injected": multilingual_injected}
 

@@ -30,7 +30,7 @@ import numpy as np
 from gate.evaluate import roc_auc
 from gate.probe import PROBE_PATH, InjectionProbe
 from gate.train.kind_eval import ece, fit_logistic
-from gate.train.probe_features import LAYERS, WINDOW, FeatureSet, load_all
+from gate.train.probe_features import LAYERS, TRAINING_SETS, WINDOW, FeatureSet, load_all
 from gate.train.train_probe import BASE_PROBE_PATH as BASE_PROBE
 from gate.train.train_probe import CACHE_DIR, fit_logreg
 
@@ -62,6 +62,12 @@ class Setting:
     redteam: bool = False  # and on the red-team sets already used as judges (``probe_features.REDTEAM_TRAIN``)
     span: int = 1  # read-out windows of ``span * WINDOW`` tokens (stride ``WINDOW // 2``), averaged from the cache
     rounds: int = 1  # multiple-instance rounds: later ones re-pick the positive windows by the previous fit
+
+    @property
+    def trains_on(self) -> dict[str, bool]:
+        """Which cached sets besides the wide set this setting trains on (the corpus whenever cached)."""
+        return {"corpus": True, "contrast": self.contrast, "contrast-extra": self.extra, "contrast-third": self.third,
+                "contrast-fourth": self.fourth, "redteam": self.redteam}
 
     @property
     def window(self) -> int:
@@ -133,9 +139,7 @@ def fit(sets: dict[str, FeatureSet], mats: dict[str, list[np.ndarray]], wide_idx
     """Probe on the corpus (when cached), the contrast kinds (when chosen) and the given wide rows.
     An injected wide row has no span: its ``mil_top`` windows by the base probe's logit (the last
     feature), or without one by a first fit on the labelled rows, are its positives."""
-    chosen = {"corpus": True, "contrast": s.contrast, "contrast-extra": s.extra, "contrast-third": s.third,
-              "contrast-fourth": s.fourth, "redteam": s.redteam}
-    names = [n for n in chosen if n in sets and chosen[n]]
+    names = [n for n, want in s.trains_on.items() if want and n in sets]
     # rows without spans (the red-team sets) take their top windows by the base probe, as wide rows do
     labelled = [window_set(sets[n], mats[n], np.arange(len(sets[n].rows)), [m[:, -1] for m in mats[n]] if s.prior else None,
                            s.mil_top, s.window) for n in names]
@@ -160,8 +164,7 @@ def _cat(pairs):
 def cross_validate(sets: dict[str, FeatureSet], s: Setting) -> dict:
     """Out-of-fold window-max logits of every wide row (benign: one per attack fold)."""
     wide = sets["wide"]
-    missing = [n for n, want in (("contrast", s.contrast), ("contrast-extra", s.extra), ("contrast-third", s.third),
-                                 ("contrast-fourth", s.fourth), ("redteam", s.redteam)) if want and n not in sets]
+    missing = [n for n, want in s.trains_on.items() if want and n != "corpus" and n not in sets]
     if missing:
         raise SystemExit(f"{s} trains on {missing}, whose states are not cached: run "
                          f"`nice -n 10 python -m gate.train.probe_features --sets {' '.join(missing)}` first")
@@ -380,7 +383,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ship", type=int, default=None, help="fit SETTINGS[i] on everything and write --out")
     ap.add_argument("--out", type=Path, default=PROBE_PATH)
     args = ap.parse_args(argv)
-    sets = load_all(extract=False, names=("wide", "contrast", "contrast-extra", "contrast-third", "contrast-fourth", "redteam"))
+    sets = load_all(extract=False, names=("wide", *TRAINING_SETS))
     if "wide" not in sets:
         raise SystemExit("no cached wide-set states: run `nice -n 10 python -m gate.train.probe_features` first")
     print(f"[probe_cv] cached: { {k: len(v.rows) for k, v in sets.items()} }", file=sys.stderr, flush=True)

@@ -35,6 +35,8 @@ WIDE = Path(__file__).resolve().parents[1] / "data" / "kinds_wide.jsonl"
 # Hand-written red-team sets that may be trained on (``redteam_rows``): sets already used to judge
 # a shipped probe. A set not listed here stays held out.
 REDTEAM_TRAIN = ("fresh_redteam_s4.jsonl", "fresh_redteam_s5.jsonl", "fresh_redteam_s6.jsonl")
+# The sets a probe setting may train on besides the wide set and the corpus (``load_all``'s names).
+TRAINING_SETS = ("contrast", "contrast-extra", "contrast-third", "contrast-fourth", "redteam")
 
 
 @dataclass
@@ -202,8 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--bipia", type=Path, default=None)
-    ap.add_argument("--sets", nargs="*", default=["wide", "contrast", "contrast-extra", "contrast-third", "contrast-fourth"],
-                    help="of: wide contrast contrast-extra contrast-third contrast-fourth redteam corpus")
+    ap.add_argument("--sets", nargs="*", default=["wide", *TRAINING_SETS], help=f"of: wide {' '.join(TRAINING_SETS)} corpus")
     args = ap.parse_args(argv)
     for name, fs in load_all(args.threads, args.bipia, names=tuple(args.sets)).items():
         print(f"{name}: {len(fs.rows)} docs, {sum(len(f) for f in fs.feats)} windows", file=sys.stderr)

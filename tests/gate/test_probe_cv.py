@@ -140,8 +140,12 @@ def test_later_round_rows_mark_their_instruction_and_share_no_six_words_with_the
         a, b = r["span"]
         inside = r["text"][a:b]
         assert "@@MARK@@" not in r["text"] and inside.strip() == inside and len(inside) > 10
-    if round_ == 4:
-        return
+
+
+def test_third_round_plants_injections_in_every_language_it_writes() -> None:
+    from gate.train import contrast3
+
+    rows = contrast3.third_rows()
     languages = {lang for r in rows if r["kind"] == "c-multilingual-injected"
                  for lang, wraps in contrast3.WRAPS.items() if any(w.split("{x}")[0] in r["text"] for w in wraps)}
     assert languages == set(contrast3.WRAPS)
