@@ -47,7 +47,7 @@ from policies import Decision, PolicyEngine, tool_identity
 
 from ..screen import Screened, apply_redact, gate_input
 from ..tenants import Principal
-from .recorder import Recorder, Writer
+from .recorder import LoopRecorder, Recorder, WriterLink
 from .settings import PROMPT_GET, RESOURCE_READ, SEPARATOR
 
 log = structlog.get_logger(__name__)
@@ -283,12 +283,15 @@ def stub_result(text: str) -> types.CallToolResult:
 class Guard:
     """Screens one call's arguments and one call's result; thread-safe and synchronous. The proxy runs
     it on its event loop for small documents and on a worker thread for large ones (proxy.py); only
-    `settle` and `screen_definition` block, on a durable commit, and never run on the loop."""
+    `settle` and `screen_definition` block, on a durable commit, and never run on the loop. Its
+    records are committed by its recorder: a thread of its own, or, given a `WriterLink`, the
+    proxy's event loop while the proxy is `running` (recorder.py)."""
 
     def __init__(self, gate: Gate, policy: PolicyEngine, ledger: Ledger, audit: AuditLog,
-                 max_result_bytes: int, writer: Writer | None = None) -> None:
+                 max_result_bytes: int, writer: WriterLink | None = None) -> None:
         self.gate, self.policy = gate, policy
-        self.recorder = Recorder(ledger, audit, writer)
+        self.recorder: Recorder | LoopRecorder = \
+            Recorder(ledger, audit) if writer is None else LoopRecorder(ledger, audit, writer)
         self.max_result_bytes = max_result_bytes
         self._definitions: dict[tuple[str, str, str], Decision] = {}
         self._digests: dict[int, tuple[types.Tool, str]] = {}

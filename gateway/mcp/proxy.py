@@ -10,8 +10,10 @@ over HTTP, the tenant named at start over stdio), never from the request's argum
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -68,7 +70,7 @@ class Proxy:
         # Few guard threads: each thread compiles its own copy of the policy bundle (~20 ms), and on
         # a CPU host more threads than cores only queue for them.
         self._limiter = anyio.CapacityLimiter(4)
-        async with anyio.create_task_group() as tg:
+        async with self.guard.recorder.running(), anyio.create_task_group() as tg:
             self._upstreams = Upstreams(self.settings, tg)
             await self._upstreams.start()
             try:
@@ -297,12 +299,38 @@ async def _durable(pending: Pending, call: Call) -> Outcome:
     one. The agent gets the outcome only after that; a failed commit is a ScreeningError."""
     started = time.perf_counter()
     try:
-        index = await asyncio.wrap_future(pending.committed)
+        index = await _committed(pending.committed)
     except Exception as exc:
         raise pending.failed(exc) from exc
     finally:
         call.spent["commit"] = time.perf_counter() - started
     return pending.outcome(index)
+
+
+def _committed(future: Future[int]) -> Awaitable[int]:
+    """`asyncio.wrap_future`, less a turn of the loop when the future is resolved on the loop's own
+    thread (the `LoopRecorder`'s driver): there the waiter is set at once, where `wrap_future`
+    would schedule the setting as one more callback behind everything the loop has queued."""
+    loop = asyncio.get_running_loop()
+    waiter: asyncio.Future[int] = loop.create_future()
+    here = threading.get_ident()
+
+    def copy(done: Future[int]) -> None:
+        if waiter.cancelled():
+            return
+        exc = done.exception()
+        if exc is not None:
+            waiter.set_exception(exc)
+        else:
+            waiter.set_result(done.result())
+
+    def resolved(done: Future[int]) -> None:
+        if threading.get_ident() == here:
+            copy(done)
+        else:
+            loop.call_soon_threadsafe(copy, done)
+    future.add_done_callback(resolved)
+    return waiter
 
 
 def _stamped(outcome: Outcome, call: Call, started: float) -> types.CallToolResult:

@@ -1,5 +1,6 @@
-"""Group commit for the proxy's records: one recorder thread commits whatever concurrent calls have
-queued, in one durable transaction, itself (`local_writer`) or through a writer process (writer.py).
+"""Group commit for the proxy's records: whatever concurrent calls have queued is committed in one
+durable transaction, by a thread in this process (`Recorder`, stdio) or by a writer process that
+the event loop talks to directly (`LoopRecorder` and writer.py, `lethe mcp --http`).
 
 Each decision must be durable before the agent sees its outcome (fail closed), and a durable
 commit costs an fsync (1-4 ms on the development VM's disk). Calls arriving while one batch commits join the next, so
@@ -11,12 +12,15 @@ call in it, and the caller shows the agent an error, never the result.
 """
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
-from collections.abc import Callable, Iterable
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import Future
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from audit import AuditLog
 from ledger import Crossing, CrossingLog, Ledger
@@ -36,6 +40,11 @@ Rows = list[tuple[Crossing, list[str]]]
 Writer = Callable[[Rows, list[dict[str, Any]]], list[int]]  # (crossings, records) -> audit indices, once durable
 
 
+class RecorderStopped(Exception):
+    """A record was submitted while the loop recorder was not running (before the proxy started
+    serving, or after it stopped): nothing was committed, so nothing may be acted on."""
+
+
 def local_writer(ledger: Ledger, audit: AuditLog) -> Writer:
     """Commits in this process: one transaction when both stores share a database."""
     shared = ledger.crossings.database == getattr(audit, "database", None)
@@ -48,8 +57,31 @@ def local_writer(ledger: Ledger, audit: AuditLog) -> Writer:
     return write
 
 
+def _arguments(batch: list[_Entry]) -> tuple[Rows, list[dict[str, Any]]]:
+    return [(e.crossing, e.withhold) for e in batch], [r for e in batch for r in e.records]
+
+
+def _resolve(batch: list[_Entry], indices: list[int] | BaseException) -> None:
+    """Each entry's future: the audit index of its last record, or the batch's failure."""
+    if isinstance(indices, BaseException):
+        for e in batch:
+            e.done.set_exception(indices)
+        return
+    end = 0
+    for e in batch:
+        end += len(e.records)
+        e.done.set_result(indices[end - 1])
+
+
+def _entry(crossing: Crossing, withhold: Iterable[str], records: list[dict[str, Any]]) -> _Entry:
+    entry = _Entry(crossing, list(withhold), records)
+    entry.done.set_running_or_notify_cancel()  # a caller that gives up cannot cancel the commit of its records
+    return entry
+
+
 class Recorder:
-    """`submit` queues a crossing and its audit records; its future is the last audit index, set once durable."""
+    """`submit` queues a crossing and its audit records; its future is the last audit index, set once
+    durable. One thread of this process commits each batch with a synchronous `Writer`."""
 
     def __init__(self, ledger: Ledger, audit: AuditLog, writer: Writer | None = None) -> None:
         self.shared = ledger.crossings.database == getattr(audit, "database", None)
@@ -58,16 +90,16 @@ class Recorder:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """Nothing to start: the thread starts with the first submission."""
+        yield
+
     def submit(self, crossing: Crossing, withhold: Iterable[str], records: list[dict[str, Any]]) -> Future[int]:
-        entry = _Entry(crossing, list(withhold), records)
-        entry.done.set_running_or_notify_cancel()  # a caller that gives up cannot cancel the commit of its records
+        entry = _entry(crossing, withhold, records)
         self._ensure_thread()
         self._queue.put(entry)
         return entry.done
-
-    def write(self, crossing: Crossing, withhold: Iterable[str], records: list[dict[str, Any]]) -> int:
-        """`submit`, then wait for the commit."""
-        return self.submit(crossing, withhold, records).result()
 
     def _ensure_thread(self) -> None:
         with self._lock:
@@ -83,16 +115,98 @@ class Recorder:
                     batch.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            self._commit(batch)
+            try:
+                indices: list[int] | BaseException = self._write(*_arguments(batch))
+            except BaseException as exc:  # noqa: BLE001 - every waiting call learns of the failure
+                indices = exc
+            _resolve(batch, indices)
 
-    def _commit(self, batch: list[_Entry]) -> None:
-        try:
-            indices = self._write([(e.crossing, e.withhold) for e in batch], [r for e in batch for r in e.records])
-        except BaseException as exc:  # noqa: BLE001 - every waiting call learns of the failure
-            for e in batch:
-                e.done.set_exception(exc)
+
+class WriterLink(Protocol):
+    """A writer the event loop drives without a thread (writer.py's `WriterProcess`): `open` binds it
+    to the running loop, `send` hands it one batch (never a second before the first is answered),
+    and `answered` is called on the loop with the batch's indices or its failure."""
+
+    def open(self, loop: asyncio.AbstractEventLoop, answered: Callable[[list[int] | Exception], None]) -> None: ...
+
+    def send(self, rows: Rows, records: list[dict[str, Any]]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class LoopRecorder:
+    """The same contract, batched and committed from the proxy's event loop through a `WriterLink`.
+
+    Why not a thread: under load the loop thread holds the GIL, and a recorder thread waits for it
+    to take each batch, to send it and to read its indices back; its results then reach the loop
+    through a thread-safe callback, one more turn of a busy loop. Here a call queued on the loop
+    is sent at once when no batch is in flight, and the indices are read and the futures resolved
+    in the callback the loop runs when the answer arrives; the calls queued meanwhile go out as the
+    next batch from that same callback. `submit` may be called from any thread; the entries only
+    change hands on the loop. Submitting while the recorder is not `running` fails the future at
+    once (`RecorderStopped`), and stopping fails whatever is queued or in flight: never a result
+    whose records are not known to be durable.
+    """
+
+    def __init__(self, ledger: Ledger, audit: AuditLog, link: WriterLink) -> None:
+        self.shared = ledger.crossings.database == getattr(audit, "database", None)
+        self._link = link
+        self._queue: deque[_Entry] = deque()
+        self._in_flight: list[_Entry] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
+
+    def submit(self, crossing: Crossing, withhold: Iterable[str], records: list[dict[str, Any]]) -> Future[int]:
+        entry = _entry(crossing, withhold, records)
+        loop = self._loop
+        if loop is None:
+            entry.done.set_exception(_stopped("is not serving (its recorder is stopped)"))
+        elif threading.get_ident() == self._loop_thread:
+            self._enqueue(entry)
+        else:
+            try:
+                loop.call_soon_threadsafe(self._enqueue, entry)
+            except RuntimeError:  # the loop closed between the check and the call
+                entry.done.set_exception(_stopped("stopped"))
+        return entry.done
+
+    def _enqueue(self, entry: _Entry) -> None:
+        if self._loop is None:  # stopped while the entry was on its way to the loop
+            entry.done.set_exception(_stopped("stopped"))
             return
-        end = 0
-        for e in batch:
-            end += len(e.records)
-            e.done.set_result(indices[end - 1])
+        self._queue.append(entry)
+        self._pump()
+
+    def _pump(self) -> None:
+        """Send the queued calls as one batch, unless a batch is in flight (its answer pumps again)."""
+        if self._in_flight is not None or not self._queue:
+            return
+        batch = [self._queue.popleft() for _ in range(min(MAX_BATCH, len(self._queue)))]
+        self._in_flight = batch
+        try:
+            self._link.send(*_arguments(batch))
+        except Exception as exc:  # noqa: BLE001 - the link could not take it: the batch fails, nothing is acted on
+            self._answered(exc)
+
+    def _answered(self, indices: list[int] | Exception) -> None:
+        batch, self._in_flight = self._in_flight or [], None
+        _resolve(batch, indices)
+        self._pump()
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """Commit batches for the lifetime of the block (the proxy's `running`)."""
+        self._loop, self._loop_thread = asyncio.get_running_loop(), threading.get_ident()
+        self._link.open(self._loop, self._answered)
+        try:
+            yield
+        finally:
+            self._loop = self._loop_thread = None
+            self._link.close()  # a batch in flight may or may not be durable: it fails with the rest
+            _resolve([*(self._in_flight or []), *self._queue], _stopped("stopped before this decision was recorded"))
+            self._in_flight = None
+            self._queue.clear()
+
+
+def _stopped(what: str) -> RecorderStopped:
+    return RecorderStopped(f"the proxy {what}; nothing was recorded or passed on")

@@ -1,19 +1,28 @@
 """The proxy's commits in a process of their own, so that they never wait for the proxy's GIL.
 
-The recorder's thread gives up the GIL at every SQLite step of a commit (a dozen a batch) and, on
-a busy proxy, waits for the event loop to hand it back each time. Here it only sends a batch down
-a pipe and waits for the indices: the child builds the same stores from the same settings and
-commits with `local_writer`, so the records, the transactions and the durability are the same.
-A child that dies fails the batch in flight (the agents get errors, never results) and is
-started again for the next one. Used by `lethe mcp --http`, which serves many agents at once; a
-stdio proxy serves one and commits in-process.
+A commit gives up the GIL at every SQLite step (a dozen a batch) and, on a busy proxy, would
+wait for the event loop to hand it back each time. Here the proxy's loop only sends a batch down
+a socket and reads the indices back (`LoopRecorder` in recorder.py): the child builds the same
+stores from the same settings and commits with `local_writer`, so the records, the transactions
+and the durability are the same. A child that dies fails the batch in flight (the agents get
+errors, never results) and is started again for the next one; so is one whose batch was
+abandoned half-way (the proxy stopping), since its answer would otherwise be read as the next
+batch's. Used by `lethe mcp --http`, which serves many agents at once; a stdio proxy serves one
+and commits in a thread of its own.
+
+The wire: each message is a 4-byte big-endian length, then a pickle (the parent and its own
+child, nobody else, hold the socket pair): a batch `(rows, records)` one way, `("ok", indices)`
+or `("error", (kind, message))` back.
 """
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
+import pickle
 import signal
-import threading
-from multiprocessing.connection import Connection
+import socket
+import struct
+from collections.abc import Callable
 from typing import Any
 
 from audit import AuditLog, Signer
@@ -22,6 +31,8 @@ from ledger import Ledger
 from ..config import Settings
 from ..logging import configure_logging
 from .recorder import Rows, local_writer
+
+_LENGTH = struct.Struct("!I")
 
 
 class WriterError(Exception):
@@ -43,59 +54,145 @@ def stores(settings: Settings) -> tuple[Ledger, AuditLog]:
     return ledger, AuditLog(s.audit_db_url, signer, origin=s.audit_origin, batch_size=s.audit_batch_size)
 
 
-def _serve(conn: Connection, settings: Settings) -> None:
-    """The child: commit each batch the proxy sends, answer its indices or the error, until the pipe closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the proxy's to handle; the pipe's close ends us
+def _frame(message: Any) -> bytes:
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return _LENGTH.pack(len(payload)) + payload
+
+
+def _read_exactly(sock: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise EOFError("the proxy closed the socket")
+        data += chunk
+    return bytes(data)
+
+
+def _serve(sock: socket.socket, settings: Settings) -> None:
+    """The child: commit each batch the proxy sends, answer its indices or the error, until the socket closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the proxy's to handle; the socket's close ends us
     configure_logging(settings.log_level, settings.log_json)
     write = local_writer(*stores(settings))
+    sock.setblocking(True)
     while True:
         try:
-            rows, records = conn.recv()
+            rows, records = pickle.loads(_read_exactly(sock, _LENGTH.unpack(_read_exactly(sock, 4))[0]))
         except EOFError:  # the proxy is gone
             return
         try:
-            conn.send(("ok", write(rows, records)))
+            answer: tuple[str, Any] = ("ok", write(rows, records))
         except Exception as exc:  # noqa: BLE001 - the proxy fails the batch's calls with it
-            conn.send(("error", (type(exc).__name__, str(exc))))
+            answer = ("error", (type(exc).__name__, str(exc)))
+        sock.sendall(_frame(answer))
 
 
 class WriterProcess:
-    """A `Writer` (recorder.py) whose commits run in a child process."""
+    """A `WriterLink` (recorder.py) whose commits run in a child process, read and written by the
+    event loop's own callbacks on a non-blocking socket: no thread, no extra turn of the loop."""
 
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
         self._context = multiprocessing.get_context("spawn")
-        self._lock = threading.Lock()
-        self._conn: Connection | None = None
         self._process: Any = None
+        self._sock: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._answered: Callable[[list[int] | Exception], None] | None = None
+        self._inbox = bytearray()
+        self._outbox = bytearray()
+        self._waiting = False  # a batch is sent and not yet answered
+
+    def open(self, loop: asyncio.AbstractEventLoop, answered: Callable[[list[int] | Exception], None]) -> None:
+        self._loop, self._answered = loop, answered
         self._start()
 
     def _start(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-        parent, child = self._context.Pipe()
+        """A new child and socket pair (the first, or after a death: the child reloads the same stores)."""
+        parent, child = socket.socketpair()
         self._process = self._context.Process(target=_serve, args=(child, self._settings),
                                               name="lethe-mcp-writer", daemon=True)
         self._process.start()
         child.close()
-        self._conn = parent
+        parent.setblocking(False)
+        self._sock, self._inbox, self._outbox = parent, bytearray(), bytearray()
+        assert self._loop is not None
+        self._loop.add_reader(parent.fileno(), self._readable)
 
-    def __call__(self, rows: Rows, records: list[dict[str, Any]]) -> list[int]:
-        with self._lock:
-            if not self._process.is_alive():
-                self._start()
-            assert self._conn is not None
-            try:
-                self._conn.send((rows, records))
-                status, value = self._conn.recv()
-            except (EOFError, OSError) as exc:  # it died (or is dying): the next batch gets a new one
-                self._process.kill()
-                self._process.join()
-                raise WriterError("writer process died", "the writer process died before answering; this batch "
-                                  "may not be durable, so none of it is acted on") from exc
-        if status != "ok":
-            raise WriterError(*value)
-        return list(value)
+    def _stop(self, grace_s: float = 0.0) -> None:
+        """Close the socket and end the child: it exits on the close when idle (`grace_s` to do so);
+        one dead, dying, or holding an answer nobody will read is killed."""
+        if self._sock is not None:
+            assert self._loop is not None
+            self._loop.remove_reader(self._sock.fileno())
+            self._loop.remove_writer(self._sock.fileno())
+            self._sock.close()
+            self._sock = None
+        if self._process is not None:
+            self._process.join(grace_s)
+            self._process.kill()
+            self._process.join()
+            self._process = None
+
+    def close(self) -> None:
+        self._stop(grace_s=0.0 if self._waiting else 5.0)
+        self._waiting = False
+
+    def send(self, rows: Rows, records: list[dict[str, Any]]) -> None:
+        if self._loop is None:
+            raise WriterError("writer not open", "the writer process is not open; nothing was recorded")
+        if self._sock is None or not self._process.is_alive():
+            self._stop()
+            self._start()
+        self._waiting = True
+        self._outbox += _frame((rows, records))
+        self._flush()
+
+    def _flush(self) -> None:
+        assert self._sock is not None and self._loop is not None
+        try:
+            sent = self._sock.send(self._outbox)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self._died()
+            return
+        del self._outbox[:sent]
+        if self._outbox:
+            self._loop.add_writer(self._sock.fileno(), self._flush)
+        else:
+            self._loop.remove_writer(self._sock.fileno())
+
+    def _readable(self) -> None:
+        assert self._sock is not None
+        try:
+            chunk = self._sock.recv(1 << 16)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._died()
+            return
+        self._inbox += chunk
+        while len(self._inbox) >= _LENGTH.size:
+            end = _LENGTH.size + _LENGTH.unpack_from(self._inbox)[0]
+            if len(self._inbox) < end:
+                return
+            status, value = pickle.loads(self._inbox[_LENGTH.size:end])
+            del self._inbox[:end]
+            self._answer(list(value) if status == "ok" else WriterError(*value))
+
+    def _died(self) -> None:
+        """The child is gone (or its socket broke): the batch in flight fails; the next batch starts a new child."""
+        self._stop()
+        if self._waiting:
+            self._answer(WriterError("writer process died", "the writer process died before answering; this "
+                                     "batch may not be durable, so none of it is acted on"))
+
+    def _answer(self, indices: list[int] | Exception) -> None:
+        self._waiting = False
+        assert self._answered is not None
+        self._answered(indices)
 
     @property
     def pid(self) -> int:

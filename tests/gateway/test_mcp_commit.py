@@ -7,6 +7,7 @@ makes the calls wait at their commit, so they queue for the same batch.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -24,6 +25,7 @@ from audit import AuditLog, verify_export
 from gate import Gate
 from gateway.config import Settings
 from gateway.mcp import Caller, Guard, McpSettings, Proxy, UpstreamSpec
+from gateway.mcp.recorder import LoopRecorder, RecorderStopped
 from gateway.mcp.writer import WriterError, WriterProcess, stores
 from gateway.tenants import Principal
 from ledger import Crossing, CrossingLog, Ledger
@@ -143,23 +145,110 @@ def test_a_writer_process_that_dies_fails_closed_and_is_replaced(tmp_path: Path)
                         audit_key_pem=None)
     ledger, audit = stores(settings)
     writer = WriterProcess(settings)
+    recorder = LoopRecorder(ledger, audit, writer)
 
-    def batch(n: int) -> tuple[list[tuple[Crossing, list[str]]], list[dict[str, Any]]]:
+    async def commit(n: int) -> int:
         crossing = CrossingLog.new(tenant="acme", session_id=None, channel="mcp", upstream="fx", tool="fx__weather",
                                    phase="result", content_sha256="0" * 64, action="allow", meta={})
-        return [(crossing, [])], [{"kind": "mcp-result", "tenant": "acme", "tool": "fx__weather", "n": n,
-                                   "content_sha256": "0" * 64, "crossing": crossing.id}]
+        record = {"kind": "mcp-result", "tenant": "acme", "tool": "fx__weather", "n": n,
+                  "content_sha256": "0" * 64, "crossing": crossing.id}
+        return await asyncio.wrap_future(recorder.submit(crossing, [], [record]))
 
-    first = writer(*batch(0))
-    killed = writer.pid
-    os.kill(killed, signal.SIGKILL)
-    committed = {0: first}
-    try:
-        committed[1] = writer(*batch(1))
-    except WriterError as exc:
-        assert exc.kind == "writer process died"
-    committed[2] = writer(*batch(2))
-    assert writer.pid != killed
-    for n, [index] in committed.items():
+    committed: dict[int, int] = {}
+
+    async def go() -> None:
+        async with recorder.running():
+            committed[0] = await commit(0)
+            killed = writer.pid
+            os.kill(killed, signal.SIGKILL)
+            try:
+                committed[1] = await commit(1)
+            except WriterError as exc:
+                assert exc.kind == "writer process died"
+            committed[2] = await commit(2)
+            assert writer.pid != killed
+    anyio.run(go)
+    for n, index in committed.items():
         assert audit.get(index).body["n"] == n
     assert len(ledger.crossings.list("acme")) == len(committed) == audit.size
+
+
+def _entry(n: int) -> tuple[Crossing, list[str], list[dict[str, Any]]]:
+    crossing = CrossingLog.new(tenant="acme", session_id=None, channel="mcp", upstream="fx", tool="fx__weather",
+                               phase="result", content_sha256="0" * 64, action="allow", meta={})
+    return crossing, [], [{"kind": "mcp-result", "tenant": "acme", "tool": "fx__weather", "n": n,
+                           "content_sha256": "0" * 64, "crossing": crossing.id}]
+
+
+def _loop_recorder(tmp: Path) -> tuple[LoopRecorder, WriterProcess, AuditLog, Path]:
+    settings = Settings(data_dir=tmp, database_url=None, audit_database_url=None, audit_key_path=None,
+                        audit_key_pem=None)
+    ledger, audit = stores(settings)
+    writer = WriterProcess(settings)
+    return LoopRecorder(ledger, audit, writer), writer, audit, tmp / "lethe.db"
+
+
+def test_a_loop_recorder_that_is_not_serving_refuses_records_at_once(tmp_path: Path) -> None:
+    recorder, _, audit, _ = _loop_recorder(tmp_path)
+    before = recorder.submit(*_entry(0))
+    assert isinstance(before.exception(timeout=0), RecorderStopped)
+
+    async def serve_then_stop() -> None:
+        async with recorder.running():
+            await asyncio.wrap_future(recorder.submit(*_entry(1)))
+    anyio.run(serve_then_stop)
+    after = recorder.submit(*_entry(2))
+    assert isinstance(after.exception(timeout=0), RecorderStopped)
+    assert [audit.get(i).body["n"] for i in range(audit.size)] == [1]
+
+
+def test_stopping_fails_every_record_not_known_durable_and_never_reports_one_committed_that_is_not(
+        tmp_path: Path) -> None:
+    """Calls queued on the loop, one from a worker thread (a large result screened off the loop),
+    and one in flight behind a held write lock: when the proxy stops, each future is settled; the
+    ones reported committed are in the log, the rest failed with RecorderStopped."""
+    recorder, _, audit, db = _loop_recorder(tmp_path)
+    futures = []
+
+    async def go() -> None:
+        async with recorder.running():
+            await asyncio.wrap_future(recorder.submit(*_entry(0)))  # the writer is up
+            lock = sqlite3.connect(db, isolation_level=None)
+            lock.execute("BEGIN IMMEDIATE")  # the next batch waits in the writer, in flight
+            futures.extend(recorder.submit(*_entry(n)) for n in (1, 2, 3))
+            futures.append(await anyio.to_thread.run_sync(recorder.submit, *_entry(4)))
+            await anyio.sleep(0.2)
+        lock.execute("ROLLBACK")
+        lock.close()
+    anyio.run(go)
+    outcomes = [f.exception(timeout=0) or f.result() for f in futures]
+    assert all(isinstance(o, (int, RecorderStopped)) for o in outcomes), outcomes
+    assert any(isinstance(o, RecorderStopped) for o in outcomes)  # the locked batch was not durable
+    durable = {audit.get(i).body["n"] for i in range(audit.size)}
+    for n, outcome in zip((1, 2, 3, 4), outcomes):
+        if isinstance(outcome, int):
+            assert audit.get(outcome).body["n"] == n and n in durable
+
+
+def test_a_writer_killed_mid_commit_fails_the_batch_in_flight_and_the_next_batch_commits(tmp_path: Path) -> None:
+    recorder, writer, audit, db = _loop_recorder(tmp_path)
+
+    async def go() -> tuple[BaseException | None, int]:
+        async with recorder.running():
+            await asyncio.wrap_future(recorder.submit(*_entry(0)))
+            lock = sqlite3.connect(db, isolation_level=None)
+            lock.execute("BEGIN IMMEDIATE")
+            in_flight = recorder.submit(*_entry(1))
+            await anyio.sleep(0.3)  # the writer holds the batch, waiting for the lock
+            os.kill(writer.pid, signal.SIGKILL)
+            failure: BaseException | None = None
+            try:
+                await asyncio.wrap_future(in_flight)
+            except WriterError as exc:
+                failure = exc
+            lock.execute("ROLLBACK")
+            lock.close()
+            return failure, await asyncio.wrap_future(recorder.submit(*_entry(2)))
+    failure, index = anyio.run(go)
+    assert isinstance(failure, WriterError) and failure.kind == "writer process died"
+    assert [audit.get(i).body["n"] for i in range(audit.size)] == [0, 2] and audit.get(index).body["n"] == 2
