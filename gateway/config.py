@@ -106,6 +106,7 @@ class Settings(BaseSettings):
     mcp_upstreams: list[dict[str, Any]] = Field(default_factory=list)
     mcp_port: int = 8090
     mcp_call_timeout_s: float = 30.0
+    mcp_commit_timeout_s: float = 30.0
     mcp_connect_timeout_s: float = 20.0
     mcp_max_result_bytes: int = 1_000_000
 

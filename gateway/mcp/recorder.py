@@ -202,10 +202,12 @@ class LoopRecorder:
             yield
         finally:
             self._loop = self._loop_thread = None
-            self._link.close()  # a batch in flight may or may not be durable: it fails with the rest
-            _resolve([*(self._in_flight or []), *self._queue], _stopped("stopped before this decision was recorded"))
-            self._in_flight = None
+            # A batch in flight may or may not be durable: it fails with the rest, before the link
+            # closes (so no error there can leave a call waiting).
+            unsettled, self._in_flight = [*(self._in_flight or []), *self._queue], None
             self._queue.clear()
+            _resolve(unsettled, _stopped("stopped before this decision was recorded"))
+            self._link.close()
 
 
 def _stopped(what: str) -> RecorderStopped:

@@ -11,8 +11,10 @@ batch's. Used by `lethe mcp --http`, which serves many agents at once; a stdio p
 and commits in a thread of its own.
 
 The wire: each message is a 4-byte big-endian length, then a pickle (the parent and its own
-child, nobody else, hold the socket pair): a batch `(rows, records)` one way, `("ok", indices)`
-or `("error", (kind, message))` back.
+child, nobody else, hold the socket pair): a batch `(rows, records)` one way; back, `("ready",
+None)` once the child has opened its stores, then for each batch `("ok", indices)` or `("error",
+(kind, message))`. A batch not answered within LETHE_MCP_COMMIT_TIMEOUT_S (from the send, or from
+a new child's ready) fails, and its writer is killed and replaced.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from ..logging import configure_logging
 from .recorder import Rows, local_writer
 
 _LENGTH = struct.Struct("!I")
+STARTUP_S = 120.0  # a new writer's own start (imports, opening the stores), before its commit timeout runs
 
 
 class WriterError(Exception):
@@ -75,6 +78,7 @@ def _serve(sock: socket.socket, settings: Settings) -> None:
     configure_logging(settings.log_level, settings.log_json)
     write = local_writer(*stores(settings))
     sock.setblocking(True)
+    sock.sendall(_frame(("ready", None)))  # the commit timeout runs from here, not from the spawn
     while True:
         try:
             rows, records = pickle.loads(_read_exactly(sock, _LENGTH.unpack(_read_exactly(sock, 4))[0]))
@@ -101,6 +105,8 @@ class WriterProcess:
         self._inbox = bytearray()
         self._outbox = bytearray()
         self._waiting = False  # a batch is sent and not yet answered
+        self._deadline: asyncio.TimerHandle | None = None
+        self._ready = False  # the child has opened its stores (its first message)
 
     def open(self, loop: asyncio.AbstractEventLoop, answered: Callable[[list[int] | Exception], None]) -> None:
         self._loop, self._answered = loop, answered
@@ -114,7 +120,7 @@ class WriterProcess:
         self._process.start()
         child.close()
         parent.setblocking(False)
-        self._sock, self._inbox, self._outbox = parent, bytearray(), bytearray()
+        self._sock, self._inbox, self._outbox, self._ready = parent, bytearray(), bytearray(), False
         assert self._loop is not None
         self._loop.add_reader(parent.fileno(), self._readable)
 
@@ -136,6 +142,7 @@ class WriterProcess:
     def close(self) -> None:
         self._stop(grace_s=0.0 if self._waiting else 5.0)
         self._waiting = False
+        self._no_deadline()
 
     def send(self, rows: Rows, records: list[dict[str, Any]]) -> None:
         if self._loop is None:
@@ -144,8 +151,23 @@ class WriterProcess:
             self._stop()
             self._start()
         self._waiting = True
+        self._arm(self._settings.mcp_commit_timeout_s + (0.0 if self._ready else STARTUP_S))
         self._outbox += _frame((rows, records))
         self._flush()
+
+    def _arm(self, seconds: float) -> None:
+        assert self._loop is not None
+        self._no_deadline()
+        self._deadline = self._loop.call_later(seconds, self._timed_out)
+
+    def _timed_out(self) -> None:
+        """No answer in LETHE_MCP_COMMIT_TIMEOUT_S (a stopped writer, a database lock held elsewhere):
+        the batch fails, and the writer is killed, so that a late commit is never read as another's."""
+        self._stop()
+        self._answer(WriterError("commit timed out", f"the batch was not committed within "
+                                 f"{self._settings.mcp_commit_timeout_s:g} s (LETHE_MCP_COMMIT_TIMEOUT_S); it "
+                                 "may not be durable, so none of it is acted on; check the ledger and audit "
+                                 "databases' locks and the writer process"))
 
     def _flush(self) -> None:
         assert self._sock is not None and self._loop is not None
@@ -180,7 +202,12 @@ class WriterProcess:
                 return
             status, value = pickle.loads(self._inbox[_LENGTH.size:end])
             del self._inbox[:end]
-            self._answer(list(value) if status == "ok" else WriterError(*value))
+            if status == "ready":
+                self._ready = True
+                if self._waiting:  # the batch sent before the writer was up: its timeout starts now
+                    self._arm(self._settings.mcp_commit_timeout_s)
+            else:
+                self._answer(list(value) if status == "ok" else WriterError(*value))
 
     def _died(self) -> None:
         """The child is gone (or its socket broke): the batch in flight fails; the next batch starts a new child."""
@@ -191,8 +218,14 @@ class WriterProcess:
 
     def _answer(self, indices: list[int] | Exception) -> None:
         self._waiting = False
+        self._no_deadline()
         assert self._answered is not None
         self._answered(indices)
+
+    def _no_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
 
     @property
     def pid(self) -> int:

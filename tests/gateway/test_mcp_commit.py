@@ -180,9 +180,9 @@ def _entry(n: int) -> tuple[Crossing, list[str], list[dict[str, Any]]]:
                            "content_sha256": "0" * 64, "crossing": crossing.id}]
 
 
-def _loop_recorder(tmp: Path) -> tuple[LoopRecorder, WriterProcess, AuditLog, Path]:
+def _loop_recorder(tmp: Path, commit_timeout_s: float = 30.0) -> tuple[LoopRecorder, WriterProcess, AuditLog, Path]:
     settings = Settings(data_dir=tmp, database_url=None, audit_database_url=None, audit_key_path=None,
-                        audit_key_pem=None)
+                        audit_key_pem=None, mcp_commit_timeout_s=commit_timeout_s)
     ledger, audit = stores(settings)
     writer = WriterProcess(settings)
     return LoopRecorder(ledger, audit, writer), writer, audit, tmp / "lethe.db"
@@ -252,3 +252,28 @@ def test_a_writer_killed_mid_commit_fails_the_batch_in_flight_and_the_next_batch
     failure, index = anyio.run(go)
     assert isinstance(failure, WriterError) and failure.kind == "writer process died"
     assert [audit.get(i).body["n"] for i in range(audit.size)] == [0, 2] and audit.get(index).body["n"] == 2
+
+
+def test_a_stopped_writer_fails_its_batch_at_the_commit_timeout_and_a_new_writer_commits_the_next(
+        tmp_path: Path) -> None:
+    """SIGSTOP: the writer neither answers nor dies. The calls must not hang: past
+    LETHE_MCP_COMMIT_TIMEOUT_S the batch fails (never reported committed), the stopped writer is
+    killed (so its late commit is never read as another batch's answer), and a new one commits."""
+    recorder, writer, audit, _ = _loop_recorder(tmp_path, commit_timeout_s=1.0)
+
+    async def go() -> tuple[BaseException | None, int, int]:
+        async with recorder.running():
+            await asyncio.wrap_future(recorder.submit(*_entry(0)))
+            stopped = writer.pid
+            os.kill(stopped, signal.SIGSTOP)
+            failure: BaseException | None = None
+            try:
+                await asyncio.wrap_future(recorder.submit(*_entry(1)))
+            except WriterError as exc:
+                failure = exc
+            return failure, stopped, await asyncio.wrap_future(recorder.submit(*_entry(2)))
+    failure, stopped, index = anyio.run(go)
+    assert isinstance(failure, WriterError) and failure.kind == "commit timed out"
+    assert "LETHE_MCP_COMMIT_TIMEOUT_S" in str(failure)
+    assert not Path(f"/proc/{stopped}").exists() or "zombie" in Path(f"/proc/{stopped}/status").read_text()
+    assert audit.get(index).body["n"] == 2 and [audit.get(i).body["n"] for i in range(audit.size)] == [0, 2]
