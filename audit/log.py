@@ -8,6 +8,7 @@ since the last one, commit. The index is returned only after the commit, so it i
 from __future__ import annotations
 
 import base64
+import functools
 import json
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import datetime, timezone
@@ -48,6 +49,13 @@ MAX_LIST = 1000
 _SIZE = select(func.coalesce(func.max(db.records.c.idx) + 1, 0))
 _HEAD = select(_SIZE.scalar_subquery(), select(func.coalesce(func.max(db.checkpoints.c.size), 0)).scalar_subquery())
 _LATEST = select(db.checkpoints.c.size, db.checkpoints.c.note).order_by(db.checkpoints.c.size.desc()).limit(1)
+_INSERT_RECORDS, _INSERT_NODES = insert(db.records), insert(db.nodes)  # built once: an append is latency-bound
+
+
+@functools.lru_cache(maxsize=8)
+def _time_us(text: str) -> int:
+    """A record's stamped time in microseconds; a batch's records share one stamp, parsed once."""
+    return _us(parse_time(text))
 
 
 def _us(t: datetime) -> int:
@@ -156,7 +164,7 @@ class AuditLog:
             leaf = hash_leaf(entry)
             rows.append({
                 "idx": edge.size,
-                "time_us": _us(parse_time(body["time"])),
+                "time_us": _time_us(body["time"]),
                 "kind": body["kind"],
                 "tenant": body.get("tenant"),
                 "session": body.get("session"),
@@ -164,8 +172,8 @@ class AuditLog:
                 "leaf_hash": leaf,
             })
             node_rows += [{"id": db.node_id(lv, i), "hash": h} for lv, i, h in edge.append(leaf)]
-        conn.execute(insert(db.records), rows)
-        conn.execute(insert(db.nodes), node_rows)
+        conn.execute(_INSERT_RECORDS, rows)
+        conn.execute(_INSERT_NODES, node_rows)
         return [r["idx"] for r in rows], edge
 
     # --- checkpoints ---------------------------------------------------------------------------

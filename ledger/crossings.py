@@ -53,6 +53,7 @@ def _insert_ignore(conn: Connection):  # type: ignore[no-untyped-def]
 
 
 _FIELDS = tuple(f.name for f in fields(Crossing))
+_INSERT = insert(crossings)  # built once: a crossing is written on the MCP proxy's commit path
 
 
 class CrossingLog:
@@ -85,7 +86,7 @@ class CrossingLog:
         store's writer in the same database (the audit log) commits them with its own rows."""
         withheld_rows = [{"tenant": c.tenant, "sha256": d, "crossing_id": c.id}
                          for c, digests in rows for d in sorted(set(digests))]
-        conn.execute(insert(crossings), [_row(c) for c, _ in rows])
+        conn.execute(_INSERT, [_row(c) for c, _ in rows])
         if withheld_rows:
             conn.execute(_insert_ignore(conn), withheld_rows)
 

@@ -282,7 +282,9 @@ def test_any_tampering_in_the_layout_gets_one_report_from_either_reader_in_one_p
             continue  # replaced by a non-record earlier
         if how == "field":
             body = records[r]["body"]
-            target = body["witness"] if "witness" in body and data.draw(st.booleans(), label="in witness") else body
+            # (an earlier tampering may have made the witness a list, a number or None: then only the body)
+            in_witness = isinstance(body.get("witness"), dict) and data.draw(st.booleans(), label="in witness")
+            target = body["witness"] if in_witness else body
             target[data.draw(st.sampled_from(sorted(target) + ["extra"]), label="name")] = data.draw(NASTY, label="value")
         elif how == "drop" and len(records) > 1:
             del records[r]
