@@ -15,6 +15,8 @@ from typing import Any
 
 import anyio
 import mcp.types as types
+from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
+from mcp.server.auth.provider import AccessToken
 from mcp.server.stdio import stdio_server
 from mcp.shared.exceptions import MCPError
 from starlette.applications import Starlette
@@ -53,6 +55,16 @@ def _error(status: int, code: str, message: str) -> JSONResponse:
                                    "param": None}}, status_code=status, headers=headers)
 
 
+def _session_owner(principal: Principal) -> AuthenticatedUser:
+    """The caller as the MCP SDK's session manager knows its users: it binds each MCP session to
+    the user that opened it and answers any other (another tenant's key, another user's) exactly
+    as for an unknown session, 404. Without it a key of tenant B that learnt tenant A's session id
+    could call tools in that session or end it. The token field holds no key: ownership is the
+    tenant (client_id) and the user (subject)."""
+    return AuthenticatedUser(AccessToken(token="lethe-api-key", client_id=f"tenant:{principal.tenant}", scopes=[],
+                                         subject=principal.user))
+
+
 class TenantAuth:
     """ASGI middleware: a tenant's API key on every HTTP request, or 401/403 before MCP sees it."""
 
@@ -79,6 +91,7 @@ class TenantAuth:
         else:
             scope[PRINCIPAL] = principal
             scope[SESSION] = headers.get("x-lethe-session") or None
+            scope["user"] = _session_owner(principal)
             await self.app(scope, receive, send)
             return
         await response(scope, receive, send)

@@ -28,6 +28,7 @@ import mcp.types as types
 import pytest
 from mcp import Client, StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
+from mcp_types.version import LATEST_HANDSHAKE_VERSION
 from typer.testing import CliRunner
 
 import policies
@@ -556,3 +557,34 @@ def test_resources_templates_and_prompts_whose_descriptions_carry_an_injection_a
     assert {"fx__resources/read", "fx__prompts/get:team_brief"} <= withheld
     records = [r.body for r in deployment.audit().list(tenant="acme") if r.body.get("phase") == "definition"]
     assert records and not any(POISONED[:40] in json.dumps(b) for b in records)
+
+
+def test_an_mcp_session_answers_only_the_tenant_and_user_that_opened_it(deployment: Deployment) -> None:
+    """Another tenant's key, or another user's key of the same tenant, holding the session id:
+    404 as for an unknown session, for a tool call and for DELETE; the owner's session goes on."""
+    url = f"http://127.0.0.1:{PROXY_PORT}/mcp"
+    base = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+
+    def as_(key: str, session: str | None = None) -> dict[str, str]:
+        extra = {"mcp-session-id": session, "mcp-protocol-version": LATEST_HANDSHAKE_VERSION} if session else {}
+        return {**base, "Authorization": f"Bearer {key}", **extra}
+
+    acme = deployment.keys["acme"]
+    opened = httpx.post(url, headers=as_(acme), json={
+        "jsonrpc": "2.0", "id": 1, "method": "initialize",
+        "params": {"protocolVersion": LATEST_HANDSHAKE_VERSION, "capabilities": {},
+                   "clientInfo": {"name": "owner", "version": "1"}}})
+    assert opened.status_code == 200, opened.text
+    session = opened.headers["mcp-session-id"]
+    httpx.post(url, headers=as_(acme, session), json={"jsonrpc": "2.0", "method": "notifications/initialized"})
+    call = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "fx__weather",
+                                                                          "arguments": {"city": "Oslo"}}}
+    mallory = TenantStore.from_url(deployment.db_url).create_key("acme", user="mallory")
+    for intruder in (deployment.keys["globex"], mallory):
+        for response in (httpx.post(url, headers=as_(intruder, session), json=call),
+                         httpx.delete(url, headers=as_(intruder, session))):
+            assert response.status_code == 404, response.text
+            assert response.json()["error"]["message"] == "Session not found"
+    own = httpx.post(url, headers=as_(acme, session), json=call, timeout=60)
+    assert own.status_code == 200 and own.json()["result"]["content"], own.text
+    assert httpx.delete(url, headers=as_(acme, session)).status_code == 200
