@@ -12,7 +12,8 @@ identity, `source: "mcp"`: the proxy's route names it, not the client). What the
 Text is read from text blocks, the text of embedded resources, and every string of structured
 content with its key beside it (`_json_parts`); they are scanned as one document, so an instruction split across blocks is
 still one instruction, and once more glued with no joiner, so a secret split across blocks is
-found and each block's fragment cut (`Document.glued_secrets`). Content the gate cannot read (images, audio, blobs, resource links) is
+found and each block's fragment cut (`Document.glued_secrets`; a call's argument values are also
+read pairwise as their raw strings, so a key split over two of them is found too). Content the gate cannot read (images, audio, blobs, resource links) is
 passed or withheld as the policy's `non_text` says, and a withheld block leaves a text stub
 behind: nothing disappears silently. A call's arguments are screened the same way (phase
 "arguments"); anything but `allow` refuses the call before it reaches the upstream. So is each
@@ -53,6 +54,7 @@ from .settings import PROMPT_GET, RESOURCE_READ, SEPARATOR
 log = structlog.get_logger(__name__)
 
 JOINER = b"\n"
+_REACH = 4096  # of each string beside a seam, what the argument-value glue reads (`Document.glued_secrets`)
 NON_TEXT_STUB = "[{what} withheld by policy: the gate cannot read it]"
 
 
@@ -116,25 +118,31 @@ def _dump(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def _json_parts(value: Any) -> Iterator[str]:
+def _json_pieces(value: Any) -> Iterator[tuple[str, str]]:
+    """Each part of a JSON value as the gate should read it (`_json_parts`), beside the string it
+    carries as a reader joining the values would join it (the raw string; nothing for a key)."""
+    if isinstance(value, str):
+        yield _dump(value), value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            if isinstance(v, str):
+                yield f"{_dump(str(k))}: {_dump(v)}", v
+            else:
+                yield _dump(str(k)), ""
+                yield from _json_pieces(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _json_pieces(v)
+
+
+def _json_parts(value: Any) -> list[str]:
     """The text of a JSON value as the gate should read it: every string with its key beside it.
 
     A dict entry with a string value is one part, `"key": "value"`, so a rule that needs the key
     (`"token": "..."`) fires as it would on the serialized document; other keys, and strings in
     lists, are parts of their own. `_rebuild` parses the (redacted) parts back in the same order.
     """
-    if isinstance(value, str):
-        yield _dump(value)
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            if isinstance(v, str):
-                yield f"{_dump(str(k))}: {_dump(v)}"
-            else:
-                yield _dump(str(k))
-                yield from _json_parts(v)
-    elif isinstance(value, list):
-        for v in value:
-            yield from _json_parts(v)
+    return [part for part, _ in _json_pieces(value)]
 
 
 def _parsed(part: str, fallback: Any) -> Any:
@@ -179,7 +187,7 @@ def _block_text(block: Any) -> str | None:
 def result_parts(result: types.CallToolResult) -> list[str]:
     """The readable text of a result: each text block, each text resource, each structured string."""
     parts = [t for t in (_block_text(b) for b in result.content) if t is not None]
-    return parts + list(_json_parts(result.structured_content)) if result.structured_content is not None else parts
+    return parts + _json_parts(result.structured_content) if result.structured_content is not None else parts
 
 
 @dataclass(frozen=True)
@@ -188,20 +196,27 @@ class Document:
 
     data: bytes
     spans: tuple[tuple[int, int], ...]
+    # Arguments only: per part, the raw string it carries (`"key": "AKIA..."` -> `AKIA...`; a key
+    # alone -> ``), so a secret split over two argument values is found. None: the parts.
+    glue: tuple[bytes, ...] | None = None
 
     @classmethod
-    def of(cls, parts: list[str]) -> "Document":
+    def of(cls, parts: list[str], glue: list[str] | None = None) -> "Document":
         encoded = [p.encode("utf-8", "surrogatepass") for p in parts]
         spans, pos = [], 0
         for e in encoded:
             spans.append((pos, pos + len(e)))
             pos += len(e) + len(JOINER)
-        return cls(JOINER.join(encoded), tuple(spans))
+        glued = None if glue is None else tuple(g.encode("utf-8", "surrogatepass") for g in glue)
+        return cls(JOINER.join(encoded), tuple(spans), glued)
 
     @classmethod
     def of_arguments(cls, arguments: dict[str, Any]) -> "Document":
-        """A call's arguments as the gate reads them (each string beside its key)."""
-        return cls.of(list(_json_parts(arguments)))
+        """A call's arguments as the gate reads them (each string beside its key), glued as the raw
+        values. (A result is not: its structured content repeats its text blocks, and the end of
+        one glued to the start of the other would read as a key that is nowhere.)"""
+        pieces = list(_json_pieces(arguments))
+        return cls.of([part for part, _ in pieces], [glue for _, glue in pieces])
 
     @classmethod
     def of_result(cls, result: types.CallToolResult) -> "Document":
@@ -219,7 +234,17 @@ class Document:
         """Secrets cut across parts, in this document's offsets. The document joins its parts with
         a newline, which ends any token, so a key split over two text blocks is two harmless
         pieces there; scanned glued (no joiner) it is one key, as a model asked to join the blocks
-        reads it. Only findings that cross a part boundary are kept: one scan more, linear."""
+        reads it. Only findings that cross a part boundary are kept: one scan more, linear.
+
+        A JSON part (`"key": "AKIA..."`) glues with its quotes, which end the key too; so each
+        boundary beside one is scanned once more as the raw strings around it (`glue`): the last
+        `_REACH` bytes of the one before and the first of the one after, each such pair on a line
+        of its own (a key split over two argument values, whatever their neighbours hold). Escapes
+        move offsets in a JSON part, so such a finding covers both parts whole: more is cut, never
+        less. At most 2 x `_REACH` bytes a boundary: still linear."""
+        return self._across(gate) + self._across_values(gate)
+
+    def _across(self, gate: Gate) -> list[Finding]:
         starts = list(accumulate((e - s for s, e in self.spans), initial=0))
 
         def part_of(glued: int) -> int:
@@ -234,6 +259,24 @@ class Document:
                 for f in gate.scan(glued).findings
                 if f.kind == "secret" and f.byte_end > f.byte_start
                 and part_of(f.byte_start) != part_of(f.byte_end - 1)]
+
+    def _across_values(self, gate: Gate) -> list[Finding]:
+        if self.glue is None:
+            return []
+        glue, spans = self.glue, self.spans
+        carrying = [k for k in range(len(spans)) if glue[k]]  # a key alone carries no string
+        lines, seams, pos = [], [], 0  # seams: the pair's parts, and where the pair and its seam are scanned
+        for i, j in zip(carrying, carrying[1:]):
+            if glue[i] == self.data[spans[i][0]:spans[i][1]] and glue[j] == self.data[spans[j][0]:spans[j][1]]:
+                continue  # two text blocks: `_across` reads their seam exactly
+            before, after = glue[i][-_REACH:], glue[j][:_REACH]
+            lines.append(before + after)
+            seams.append((i, j, pos, pos + len(before), pos + len(before) + len(after)))
+            pos += len(before) + len(after) + 1
+        found = gate.scan(b"\n".join(lines)).findings if lines else ()
+        return [replace(f, byte_start=spans[i][0], byte_end=spans[j][1])
+                for f in found if f.kind == "secret"
+                for i, j, start, seam, end in seams if start <= f.byte_start < seam < f.byte_end <= end]
 
     def split(self, findings: tuple[Finding, ...], kinds: tuple[str, ...]) -> list[Redaction]:
         """Each part redacted by the findings that overlap it, offsets moved into the part."""

@@ -64,3 +64,44 @@ def test_every_block_holding_a_fragment_of_a_split_secret_is_redacted(proxy: Pro
     assert not [f for f in fragments if f in shown.replace("[REDACTED:aws_access_key_id]", "")
                 .replace("[REDACTED:aws_secret_access_key]", "")]
     assert "region = eu-west-1" in shown  # the rest of the result is still there
+
+
+def _call(proxy: Proxy, name: str, arguments: dict[str, object]) -> tuple[bool, str]:
+    async def go() -> tuple[bool, str]:
+        async with proxy.running(), Client(proxy.server(lambda _ctx: ACME)) as client:
+            result = await client.call_tool(name, arguments)
+        return result.is_error, "\n".join(getattr(b, "text", "") for b in result.content)
+    return anyio.run(go)
+
+
+@pytest.mark.parametrize("arguments", [
+    {"text": "aws_access_key_id = AKIAPTGZ6J", "more": "FEBZSDOXRL"},
+    {"text": ["note: AKIAPTGZ6J", "FEBZSDOXRL"]},
+    {"a": "AKIAPTGZ6J", "b": "FEBZSDOXRL", "text": "hi"},
+    {"text": "hi", "a": "AKIAPTGZ6J", "b": ["FEBZSDOXRL"]},
+], ids=["two-values", "list", "neighbour-after", "neighbour-before-and-a-list"])
+def test_a_key_split_over_argument_values_is_refused_before_the_upstream(proxy: Proxy, arguments) -> None:
+    """Red team: the halves of an AWS key id in two argument values passed (each value is a JSON
+    part `"key": "value"`, and glued as such the quotes broke the key); each seam between two
+    values is now read as the raw strings on either side, whatever the other values hold."""
+    refused, text = _call(proxy, "fx__echo", arguments)
+    assert refused and "refused by policy" in text and "AKIA" not in text, text
+
+
+@pytest.mark.parametrize("arguments", [
+    {"text": "FEBZSDOXRL then AKIAPTGZ6J"},  # one value: no seam
+    {"text": "AKIAPTGZ6J", "more": "hello"},  # a seam, but no key across it
+    {"more": "FEBZSDOXRL", "text": "AKIAPTGZ6J"},  # the halves in the other order
+], ids=["one-value", "no-key-across", "other-order"])
+def test_argument_values_that_do_not_join_into_a_key_go_ahead(proxy: Proxy, arguments) -> None:
+    refused, text = _call(proxy, "fx__echo", arguments)
+    assert not refused and text == arguments["text"]
+
+
+def test_a_key_split_over_json_values_is_found_and_its_parts_are_cut_whole() -> None:
+    from gateway.mcp.guard import Document
+    doc = Document.of_arguments({"note": "x", "a": "AKIAPTGZ6J", "b": ["FEBZSDOXRL"], "c": "after"})
+    [found] = doc.glued_secrets(Gate())
+    first, last = doc.spans[1], doc.spans[3]  # `"a": "AKIAPTGZ6J"`, then `"b"`, then `"FEBZSDOXRL"`
+    assert (found.byte_start, found.byte_end) == (first[0], last[1])
+    assert doc.data[found.byte_start:found.byte_end].startswith(b'"a": "AKIAPTGZ6J"')
