@@ -26,6 +26,7 @@ __all__ = [
     "body_errors",
     "canonical",
     "canonical_parsed",
+    "canonical_record",
     "compact_sorted",
     "format_time",
     "parse_time",
@@ -92,11 +93,58 @@ def canonical_parsed(body: Mapping[str, Any]) -> bytes:
     number that could be spelt differently sends the body to the RFC 8785 encoder
     (``spelling_doubts``). A property test compares both on random JSON.
     """
+    return _spelt(body, body)
+
+
+def canonical_record(body: Mapping[str, Any]) -> bytes:
+    """``canonical(body)`` for a body a caller built, several times faster for the usual one.
+
+    A caller's body is not yet JSON: it may hold what orjson spells and RFC 8785 refuses (a
+    datetime, a NaN, a str subclass), and scores like 0.0, which orjson spells ``0.0`` and RFC 8785
+    ``0`` (a doubt that would send every gate summary to the slow encoder). ``_plain`` copies it
+    with each integral float as the integer RFC 8785 spells for it, or finds something not plain
+    JSON and leaves the whole body to the RFC 8785 encoder, which accepts or refuses it as ever.
+    """
+    plain = _plain(body)
+    return canonical(body) if plain is _NOT_PLAIN else _spelt(body, plain)
+
+
+def _spelt(body: Any, plain: Any) -> bytes:
+    """``plain``'s compact sorted spelling where it is RFC 8785; else ``body``'s RFC 8785 bytes."""
     try:
-        fast = compact_sorted(body)
+        fast = compact_sorted(plain)
     except TypeError:  # orjson refuses it (an integer of 2**53 or more, a lone surrogate): RFC 8785 decides
         return canonical(body)
     return canonical(body) if spelling_doubts(fast) else fast
+
+
+_NOT_PLAIN = object()
+_INTEGRAL_MAX = 2.0**53  # past it an integral float is no exact JSON integer here: RFC 8785 spells it
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as exact JSON types (dict with str keys, list, str, int, bool, None, finite float),
+    integral floats below 2**53 as ints; ``_NOT_PLAIN`` if anything else is in it (a subclass
+    included: only the exact types are known to spell alike)."""
+    kind = type(value)
+    if kind is str or kind is int or kind is bool or value is None:
+        return value
+    if kind is float:
+        if value != value or value in (float("inf"), float("-inf")):
+            return _NOT_PLAIN
+        return int(value) if value.is_integer() and abs(value) < _INTEGRAL_MAX else value
+    if kind is dict:
+        out = {}
+        for k, v in value.items():
+            item = _plain(v)
+            if type(k) is not str or item is _NOT_PLAIN:
+                return _NOT_PLAIN
+            out[k] = item
+        return out
+    if kind is list or kind is tuple:
+        items = [_plain(v) for v in value]
+        return _NOT_PLAIN if any(i is _NOT_PLAIN for i in items) else items
+    return _NOT_PLAIN
 
 
 def compact_sorted(body: Mapping[str, Any]) -> bytes:
@@ -179,7 +227,7 @@ def validate(body: Mapping[str, Any], time: datetime) -> tuple[dict[str, Any], b
     errors = body_errors(body) or witness_errors(body)
     if errors:
         raise AuditError(f"invalid {body.get('kind')} audit record: " + "; ".join(errors))
-    entry = canonical({**body, "time": format_time(time)})
+    entry = canonical_record({**body, "time": format_time(time)})
     return json.loads(entry), entry
 
 

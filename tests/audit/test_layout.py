@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from audit import AuditError, layout, verify_records
 from audit.merkle import hash_leaf
-from audit.records import canonical, canonical_parsed, compact_sorted, spelling_doubts
+from audit.records import canonical, canonical_parsed, canonical_record, compact_sorted, spelling_doubts
 from audit.strict import Malformed, load_json
 from audit.verify import verify_export
 from audit.verify_records import Findings, findings, layout_findings, layout_head
@@ -63,6 +63,20 @@ def test_the_fast_canonical_form_is_rfc8785_on_nasty_json(body):
             canonical_parsed(parsed)
         return
     assert canonical_parsed(parsed) == expected
+
+
+@settings(max_examples=1500, deadline=None)
+@given(body=BODY | st.dictionaries(TEXT, st.tuples(NUMBER, NUMBER) | st.just(float("nan")) | NUMBER, max_size=4))
+def test_the_fast_canonical_form_of_a_callers_record_is_rfc8785_or_refused_alike(body):
+    """The log's append path (``validate``): a caller's body, not parsed JSON: integral floats
+    (every gate score 0.0), tuples, NaN (refused), surrogates, integers past 2**53."""
+    try:
+        expected = canonical(body)
+    except Exception as e:  # noqa: BLE001 - RFC 8785 refuses it: so must the fast path
+        with pytest.raises(type(e)):
+            canonical_record(body)
+        return
+    assert canonical_record(body) == expected
 
 
 @settings(max_examples=400, deadline=None)
