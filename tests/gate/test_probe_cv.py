@@ -124,10 +124,11 @@ def test_later_round_rows_mark_their_instruction_and_share_no_six_words_with_the
                    4: (contrast4.fourth_rows(), {*contrast4.FOURTH_BENIGN, *contrast4.FOURTH_INJECTED})}[round_]
     assert {r["kind"] for r in rows} == kinds
     assert not {r["kind"] for r in rows} & {r["kind"] for r in wide_rows}
-    # Public boilerplate both sides wrote from common usage, not from each other (set s6 was written
-    # after these templates, by a writer who never saw them): the example IBAN of every IBAN guide,
-    # and the German invoice's standard payment term.
-    boilerplate = ("DE89 3704 0044 0532 0130 00", "Zahlbar innerhalb von 14 Tagen ohne Abzug")
+    # Public boilerplate both sides wrote from common usage, not from each other (sets s6 and s8 were
+    # written after these templates, by writers who never saw them): the example IBAN of every IBAN
+    # guide, the German invoice's standard payment term, and Spanish for "all the files in the folder".
+    boilerplate = ("DE89 3704 0044 0532 0130 00", "Zahlbar innerhalb von 14 Tagen ohne Abzug",
+                   "todos los archivos de la carpeta")
     held_out = [json.loads(line)["text"] for path in sorted(WIDE.parent.glob("fresh_redteam_*.jsonl"))
                 for line in path.read_text().splitlines()]
     held_out_words = {w for text in held_out for w in _six_words(_without(text, boilerplate))}
