@@ -8,7 +8,7 @@ the other. Rows hold hashes, kinds and offsets, never content.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime, timezone
 from typing import Any
@@ -75,13 +75,13 @@ class CrossingLog:
         """The database the crossings live in (password hidden)."""
         return self._engine.url.render_as_string(hide_password=True)
 
-    def write(self, rows: list[tuple[Crossing, Iterable[str]]]) -> None:
+    def write(self, rows: Sequence[tuple[Crossing, Iterable[str]]]) -> None:
         """Crossings, each with the digests it withholds, in one transaction (one commit for a batch)."""
         with self._serial, self._engine.connect().execution_options(**{WRITE: True}) as conn, conn.begin():
             self.insert(conn, rows)
 
     @staticmethod
-    def insert(conn: Connection, rows: list[tuple[Crossing, Iterable[str]]]) -> None:
+    def insert(conn: Connection, rows: Sequence[tuple[Crossing, Iterable[str]]]) -> None:
         """The statements of `write` on a connection whose transaction the caller commits: another
         store's writer in the same database (the audit log) commits them with its own rows."""
         withheld_rows = [{"tenant": c.tenant, "sha256": d, "crossing_id": c.id}

@@ -26,6 +26,7 @@ from audit import AuditLog
 from ledger import Crossing, CrossingLog, Ledger
 
 MAX_BATCH = 64
+PIPELINE = 2  # batches a `LoopRecorder` keeps in flight: the writer starts the next as it answers one
 
 
 @dataclass
@@ -124,8 +125,9 @@ class Recorder:
 
 class WriterLink(Protocol):
     """A writer the event loop drives without a thread (writer.py's `WriterProcess`): `open` binds it
-    to the running loop, `send` hands it one batch (never a second before the first is answered),
-    and `answered` is called on the loop with the batch's indices or its failure."""
+    to the running loop, `send` hands it one batch (at most `PIPELINE` unanswered at once), and
+    `answered` is called on the loop once per batch, in the order sent, with its indices or its
+    failure."""
 
     def open(self, loop: asyncio.AbstractEventLoop, answered: Callable[[list[int] | Exception], None]) -> None: ...
 
@@ -140,9 +142,11 @@ class LoopRecorder:
     Why not a thread: under load the loop thread holds the GIL, and a recorder thread waits for it
     to take each batch, to send it and to read its indices back; its results then reach the loop
     through a thread-safe callback, one more turn of a busy loop. Here a call queued on the loop
-    is sent at once when no batch is in flight, and the indices are read and the futures resolved
-    in the callback the loop runs when the answer arrives; the calls queued meanwhile go out as the
-    next batch from that same callback. `submit` may be called from any thread; the entries only
+    is sent at once when fewer than `PIPELINE` batches are in flight, and the indices are read and
+    the futures resolved in the callback the loop runs when an answer arrives; the calls queued
+    meanwhile go out as the next batch from that same callback. With two in flight the writer
+    starts the next batch as soon as it has answered one, instead of idling until a busy loop
+    reads the answer and sends more. `submit` may be called from any thread; the entries only
     change hands on the loop. Submitting while the recorder is not `running` fails the future at
     once (`RecorderStopped`), and stopping fails whatever is queued or in flight: never a result
     whose records are not known to be durable.
@@ -152,7 +156,8 @@ class LoopRecorder:
         self.shared = ledger.crossings.database == getattr(audit, "database", None)
         self._link = link
         self._queue: deque[_Entry] = deque()
-        self._in_flight: list[_Entry] | None = None
+        self._in_flight: deque[list[_Entry]] = deque()  # sent and unanswered, oldest first
+        self._pumping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
 
@@ -178,19 +183,26 @@ class LoopRecorder:
         self._pump()
 
     def _pump(self) -> None:
-        """Send the queued calls as one batch, unless a batch is in flight (its answer pumps again)."""
-        if self._in_flight is not None or not self._queue:
+        """Send the queued calls as batches while fewer than `PIPELINE` are in flight (an answer pumps
+        again). Not re-entrant: a send that fails earlier batches (a dead writer) answers them from
+        inside it, and a batch sent from there would reach the writer ahead of the one being sent."""
+        if self._pumping:
             return
-        batch = [self._queue.popleft() for _ in range(min(MAX_BATCH, len(self._queue)))]
-        self._in_flight = batch
+        self._pumping = True
         try:
-            self._link.send(*_arguments(batch))
-        except Exception as exc:  # noqa: BLE001 - the link could not take it: the batch fails, nothing is acted on
-            self._answered(exc)
+            while len(self._in_flight) < PIPELINE and self._queue:
+                batch = [self._queue.popleft() for _ in range(min(MAX_BATCH, len(self._queue)))]
+                self._in_flight.append(batch)
+                try:
+                    self._link.send(*_arguments(batch))
+                except Exception as exc:  # noqa: BLE001 - the link could not take it: the batch fails, nothing is acted on
+                    self._in_flight.pop()
+                    _resolve(batch, exc)
+        finally:
+            self._pumping = False
 
     def _answered(self, indices: list[int] | Exception) -> None:
-        batch, self._in_flight = self._in_flight or [], None
-        _resolve(batch, indices)
+        _resolve(self._in_flight.popleft() if self._in_flight else [], indices)
         self._pump()
 
     @asynccontextmanager
@@ -204,7 +216,8 @@ class LoopRecorder:
             self._loop = self._loop_thread = None
             # A batch in flight may or may not be durable: it fails with the rest, before the link
             # closes (so no error there can leave a call waiting).
-            unsettled, self._in_flight = [*(self._in_flight or []), *self._queue], None
+            unsettled = [e for batch in self._in_flight for e in batch] + [*self._queue]
+            self._in_flight.clear()
             self._queue.clear()
             _resolve(unsettled, _stopped("stopped before this decision was recorded"))
             self._link.close()

@@ -12,9 +12,11 @@ and commits in a thread of its own.
 
 The wire: each message is a 4-byte big-endian length, then a pickle (the parent and its own
 child, nobody else, hold the socket pair): a batch `(rows, records)` one way; back, `("ready",
-None)` once the child has opened its stores, then for each batch `("ok", indices)` or `("error",
-(kind, message))`. A batch not answered within LETHE_MCP_COMMIT_TIMEOUT_S (from the send, or from
-a new child's ready) fails, and its writer is killed and replaced.
+None)` once the child has opened its stores, then for each batch, in the order sent, `("ok",
+indices)` or `("error", (kind, message))`. The proxy may send a batch before the one before it is
+answered (the child reads it as soon as it has answered that one). The oldest batch not answered
+within LETHE_MCP_COMMIT_TIMEOUT_S (from its send, from the answer before it, or from a new
+child's ready) fails with every batch behind it, and its writer is killed and replaced.
 """
 from __future__ import annotations
 
@@ -104,7 +106,7 @@ class WriterProcess:
         self._answered: Callable[[list[int] | Exception], None] | None = None
         self._inbox = bytearray()
         self._outbox = bytearray()
-        self._waiting = False  # a batch is sent and not yet answered
+        self._pending = 0  # batches sent and not yet answered (the oldest's deadline is armed)
         self._deadline: asyncio.TimerHandle | None = None
         self._ready = False  # the child has opened its stores (its first message)
 
@@ -140,31 +142,34 @@ class WriterProcess:
             self._process = None
 
     def close(self) -> None:
-        self._stop(grace_s=0.0 if self._waiting else 5.0)
-        self._waiting = False
+        self._stop(grace_s=0.0 if self._pending else 5.0)
+        self._pending = 0
         self._no_deadline()
 
     def send(self, rows: Rows, records: list[dict[str, Any]]) -> None:
         if self._loop is None:
             raise WriterError("writer not open", "the writer process is not open; nothing was recorded")
         if self._sock is None or not self._process.is_alive():
-            self._stop()
+            self._died()  # batches still in flight there fail first
             self._start()
-        self._waiting = True
-        self._arm(self._settings.mcp_commit_timeout_s + (0.0 if self._ready else STARTUP_S))
+        if not self._pending:
+            self._arm_oldest()
+        self._pending += 1
         self._outbox += _frame((rows, records))
         self._flush()
 
-    def _arm(self, seconds: float) -> None:
+    def _arm_oldest(self) -> None:
+        """The oldest unanswered batch's deadline, from now: it was just sent, or the writer just
+        answered the one before it (or became ready: a new writer's start has its own allowance)."""
         assert self._loop is not None
         self._no_deadline()
+        seconds = self._settings.mcp_commit_timeout_s + (0.0 if self._ready else STARTUP_S)
         self._deadline = self._loop.call_later(seconds, self._timed_out)
 
     def _timed_out(self) -> None:
         """No answer in LETHE_MCP_COMMIT_TIMEOUT_S (a stopped writer, a database lock held elsewhere):
-        the batch fails, and the writer is killed, so that a late commit is never read as another's."""
-        self._stop()
-        self._answer(WriterError("commit timed out", f"the batch was not committed within "
+        the batches in flight fail, and the writer is killed, so that a late commit is never read as another's."""
+        self._fail_all(WriterError("commit timed out", f"the batch was not committed within "
                                  f"{self._settings.mcp_commit_timeout_s:g} s (LETHE_MCP_COMMIT_TIMEOUT_S); it "
                                  "may not be durable, so none of it is acted on; check the ledger and audit "
                                  "databases' locks and the writer process"))
@@ -204,21 +209,31 @@ class WriterProcess:
             del self._inbox[:end]
             if status == "ready":
                 self._ready = True
-                if self._waiting:  # the batch sent before the writer was up: its timeout starts now
-                    self._arm(self._settings.mcp_commit_timeout_s)
+                if self._pending:  # batches sent before the writer was up: the oldest's timeout starts now
+                    self._arm_oldest()
             else:
                 self._answer(list(value) if status == "ok" else WriterError(*value))
 
     def _died(self) -> None:
-        """The child is gone (or its socket broke): the batch in flight fails; the next batch starts a new child."""
+        """The child is gone (or its socket broke): the batches in flight fail; the next batch starts a new child."""
+        self._fail_all(WriterError("writer process died", "the writer process died before answering; this "
+                                   "batch may not be durable, so none of it is acted on"))
+
+    def _fail_all(self, error: WriterError) -> None:
+        """Kill the writer and fail every batch it holds, oldest first (an answer may send a new
+        batch, to a new writer: it is counted apart from the ones failing here)."""
         self._stop()
-        if self._waiting:
-            self._answer(WriterError("writer process died", "the writer process died before answering; this "
-                                     "batch may not be durable, so none of it is acted on"))
+        self._no_deadline()
+        failing, self._pending = self._pending, 0
+        assert self._answered is not None
+        for _ in range(failing):
+            self._answered(error)
 
     def _answer(self, indices: list[int] | Exception) -> None:
-        self._waiting = False
+        self._pending -= 1
         self._no_deadline()
+        if self._pending:
+            self._arm_oldest()
         assert self._answered is not None
         self._answered(indices)
 

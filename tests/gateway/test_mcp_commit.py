@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import os
 import signal
 import sqlite3
@@ -277,3 +278,65 @@ def test_a_stopped_writer_fails_its_batch_at_the_commit_timeout_and_a_new_writer
     assert "LETHE_MCP_COMMIT_TIMEOUT_S" in str(failure)
     assert not Path(f"/proc/{stopped}").exists() or "zombie" in Path(f"/proc/{stopped}/status").read_text()
     assert audit.get(index).body["n"] == 2 and [audit.get(i).body["n"] for i in range(audit.size)] == [0, 2]
+
+
+def _dead(pid: int) -> None:
+    """Wait, without letting the loop run (so no EOF is read there), until a killed child is gone."""
+    while any(p.pid == pid for p in multiprocessing.active_children()):
+        pass
+
+
+def test_pipelined_batches_each_get_their_own_indices_in_the_order_sent(tmp_path: Path) -> None:
+    """Two batches in flight behind a held write lock and many queued behind them, entries of one to
+    three records: once the lock goes, every future's index is its own entry's last record."""
+    recorder, _, audit, db = _loop_recorder(tmp_path)
+    futures: dict[int, Any] = {}
+
+    async def go() -> None:
+        async with recorder.running():
+            await asyncio.wrap_future(recorder.submit(*_entry(0)))
+            lock = sqlite3.connect(db, isolation_level=None)
+            lock.execute("BEGIN IMMEDIATE")
+            for n in range(1, 121):
+                crossing, withhold, records = _entry(n)
+                futures[n] = recorder.submit(crossing, withhold, records * (1 + n % 3))
+                if n % 7 == 0:
+                    await anyio.sleep(0.01)  # the first batches leave one by one, into the pipeline
+            lock.execute("ROLLBACK")
+            lock.close()
+            await asyncio.wait([asyncio.wrap_future(f) for f in futures.values()])
+    anyio.run(go)
+    for n, future in futures.items():
+        assert audit.get(future.result()).body["n"] == n
+        assert audit.get(future.result() + 1).body["n"] != n if future.result() + 1 < audit.size else True
+    assert sum(1 + n % 3 for n in futures) + 1 == audit.size
+
+
+def test_a_writer_found_dead_at_a_send_fails_the_batches_it_held_and_the_new_batches_commit_in_order(
+        tmp_path: Path) -> None:
+    """The writer dies holding a batch (waiting for a write lock); before the loop reads the EOF, a
+    new call is sent: the held batch fails, a new writer takes the new calls, in the order sent."""
+    recorder, writer, audit, db = _loop_recorder(tmp_path)
+
+    async def go() -> tuple[BaseException | None, list[int]]:
+        async with recorder.running():
+            await asyncio.wrap_future(recorder.submit(*_entry(0)))
+            lock = sqlite3.connect(db, isolation_level=None)
+            lock.execute("BEGIN IMMEDIATE")
+            held = recorder.submit(*_entry(1))
+            await anyio.sleep(0.3)  # sent: the writer waits for the lock
+            os.kill(writer.pid, signal.SIGKILL)
+            _dead(writer.pid)  # dead, and the loop has not run since
+            later = [recorder.submit(*_entry(n)) for n in (2, 3)]  # the first send finds it dead
+            failure: BaseException | None = None
+            try:
+                await asyncio.wrap_future(held)
+            except WriterError as exc:
+                failure = exc
+            lock.execute("ROLLBACK")
+            lock.close()
+            return failure, [await asyncio.wrap_future(f) for f in later]
+    failure, indices = anyio.run(go)
+    assert isinstance(failure, WriterError) and failure.kind == "writer process died"
+    assert [audit.get(i).body["n"] for i in range(audit.size)] == [0, 2, 3]
+    assert [audit.get(i).body["n"] for i in indices] == [2, 3]
