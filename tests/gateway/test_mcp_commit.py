@@ -189,6 +189,15 @@ def _loop_recorder(tmp: Path, commit_timeout_s: float = 30.0) -> tuple[LoopRecor
     return LoopRecorder(ledger, audit, writer), writer, audit, tmp / "lethe.db"
 
 
+async def _failure(future: Any) -> WriterError | None:
+    """The writer's failure of a submitted record, or None if it committed."""
+    try:
+        await asyncio.wrap_future(future)
+    except WriterError as exc:
+        return exc
+    return None
+
+
 def test_a_loop_recorder_that_is_not_serving_refuses_records_at_once(tmp_path: Path) -> None:
     recorder, _, audit, _ = _loop_recorder(tmp_path)
     before = recorder.submit(*_entry(0))
@@ -242,11 +251,7 @@ def test_a_writer_killed_mid_commit_fails_the_batch_in_flight_and_the_next_batch
             in_flight = recorder.submit(*_entry(1))
             await anyio.sleep(0.3)  # the writer holds the batch, waiting for the lock
             os.kill(writer.pid, signal.SIGKILL)
-            failure: BaseException | None = None
-            try:
-                await asyncio.wrap_future(in_flight)
-            except WriterError as exc:
-                failure = exc
+            failure = await _failure(in_flight)
             lock.execute("ROLLBACK")
             lock.close()
             return failure, await asyncio.wrap_future(recorder.submit(*_entry(2)))
@@ -267,11 +272,7 @@ def test_a_stopped_writer_fails_its_batch_at_the_commit_timeout_and_a_new_writer
             await asyncio.wrap_future(recorder.submit(*_entry(0)))
             stopped = writer.pid
             os.kill(stopped, signal.SIGSTOP)
-            failure: BaseException | None = None
-            try:
-                await asyncio.wrap_future(recorder.submit(*_entry(1)))
-            except WriterError as exc:
-                failure = exc
+            failure = await _failure(recorder.submit(*_entry(1)))
             return failure, stopped, await asyncio.wrap_future(recorder.submit(*_entry(2)))
     failure, stopped, index = anyio.run(go)
     assert isinstance(failure, WriterError) and failure.kind == "commit timed out"
@@ -328,11 +329,7 @@ def test_a_writer_found_dead_at_a_send_fails_the_batches_it_held_and_the_new_bat
             os.kill(writer.pid, signal.SIGKILL)
             _dead(writer.pid)  # dead, and the loop has not run since
             later = [recorder.submit(*_entry(n)) for n in (2, 3)]  # the first send finds it dead
-            failure: BaseException | None = None
-            try:
-                await asyncio.wrap_future(held)
-            except WriterError as exc:
-                failure = exc
+            failure = await _failure(held)
             lock.execute("ROLLBACK")
             lock.close()
             return failure, [await asyncio.wrap_future(f) for f in later]
