@@ -34,7 +34,7 @@ CHUNK = 25
 WIDE = Path(__file__).resolve().parents[1] / "data" / "kinds_wide.jsonl"
 # Hand-written red-team sets that may be trained on (``redteam_rows``): sets already used to judge
 # a shipped probe. A set not listed here stays held out.
-REDTEAM_TRAIN = ("fresh_redteam_s4.jsonl", "fresh_redteam_s5.jsonl", "fresh_redteam_s6.jsonl")
+REDTEAM_TRAIN = ("fresh_redteam_s4.jsonl", "fresh_redteam_s5.jsonl", "fresh_redteam_s6.jsonl", "fresh_redteam_s7.jsonl")
 # The sets a probe setting may train on besides the wide set and the corpus (``load_all``'s names).
 TRAINING_SETS = ("contrast", "contrast-extra", "contrast-third", "contrast-fourth", "redteam")
 

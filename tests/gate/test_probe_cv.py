@@ -188,7 +188,7 @@ def test_the_policy_default_is_the_shipped_probes_cross_validated_1pct_fpr_point
     assert cv["at_training_fold_threshold"]["fpr"] <= 0.02 and cv["at_training_fold_threshold"]["recall"] >= 0.70
 
 
-def test_the_gate_bench_reports_the_shipped_probes_leave_kinds_out_figures_and_they_meet_issue_15():
+def test_the_gate_bench_reports_the_shipped_probes_cross_validated_figures_which_meet_issue_15_there_only():
     """`lethe bench gate --json` carries the figures the shipped weights were trained and
     calibrated with (held out by host and attack kind), named with where they came from."""
     from gate.bench import shipped_cv
