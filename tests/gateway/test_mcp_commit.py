@@ -11,6 +11,7 @@ import asyncio
 import json
 import multiprocessing
 import os
+import random
 import signal
 import sqlite3
 import sys
@@ -337,3 +338,48 @@ def test_a_writer_found_dead_at_a_send_fails_the_batches_it_held_and_the_new_bat
     assert isinstance(failure, WriterError) and failure.kind == "writer process died"
     assert [audit.get(i).body["n"] for i in range(audit.size)] == [0, 2, 3]
     assert [audit.get(i).body["n"] for i in indices] == [2, 3]
+
+
+def test_under_a_storm_of_writer_kills_every_index_reported_is_its_own_entrys_and_the_log_verifies(
+        tmp_path: Path) -> None:
+    """The red team's storm, at the recorder: submitters keep two batches in flight while the
+    writer is SIGKILLed every 30-120 ms. Every call either fails (WriterError) or gets the index
+    of its own last record, no index twice; afterwards a new writer commits and the log verifies."""
+    recorder, writer, audit, _ = _loop_recorder(tmp_path)
+    outcomes: dict[int, int | BaseException] = {}
+    rng = random.Random(7)
+
+    async def submitter(first: int) -> None:
+        for n in range(first, first + 60):
+            crossing, withhold, records = _entry(n)
+            try:
+                outcomes[n] = await asyncio.wrap_future(recorder.submit(crossing, withhold, records * (1 + n % 3)))
+            except WriterError as exc:
+                outcomes[n] = exc
+
+    async def storm() -> None:
+        for _ in range(25):
+            await anyio.sleep(rng.uniform(0.03, 0.12))
+            try:
+                os.kill(writer.pid, signal.SIGKILL)
+            except (ProcessLookupError, AttributeError, TypeError):  # between writers
+                pass
+
+    async def go() -> int:
+        async with recorder.running():
+            await asyncio.wrap_future(recorder.submit(*_entry(0)))
+            async with anyio.create_task_group() as tg:
+                for k in range(6):
+                    tg.start_soon(submitter, 1000 * (k + 1))
+                tg.start_soon(storm)
+            return await asyncio.wrap_future(recorder.submit(*_entry(1)))
+    last = anyio.run(go)
+    committed = {n: i for n, i in outcomes.items() if isinstance(i, int)}
+    assert all(isinstance(o, (int, WriterError)) for o in outcomes.values())
+    assert committed and len(committed) < len(outcomes)  # the storm both failed calls and let calls through
+    assert len(set(committed.values())) == len(committed)
+    for n, index in committed.items():
+        assert audit.get(index).body["n"] == n
+        assert index + 1 == audit.size or audit.get(index + 1).body["n"] != n  # its last record
+    assert audit.get(last).body["n"] == 1
+    _verifies(audit, tmp_path)
