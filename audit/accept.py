@@ -82,7 +82,8 @@ def _passes(names: tuple[str, ...], bodies: Sequence[dict[str, Any]]) -> bool:
         return False
     kinds = _alike(list(body["kind"]))
     if len(kinds) > 1:
-        return all(_body(kind, _columns([bodies[i] for i in positions], names), len(positions)) for kind, positions in kinds)
+        return all((cols := _columns([bodies[i] for i in positions], names)) is not None
+                   and _body(kind, cols, len(positions)) for kind, positions in kinds)
     return _body(kinds[0][0], body, len(bodies))
 
 

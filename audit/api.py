@@ -25,8 +25,11 @@ _INT64 = 2**63 - 1  # every index and size fits a database integer
 
 
 class Principal(Protocol):
-    tenant: str
-    is_admin: bool
+    @property
+    def tenant(self) -> str: ...
+
+    @property
+    def is_admin(self) -> bool: ...
 
 
 def _visible(record: AuditRecord, who: Principal) -> bool:

@@ -50,7 +50,7 @@ def _record(i: int) -> dict[str, Any]:
     }
 
 
-def _rate(n: int, fn: Callable[[], None]) -> float:
+def _rate(n: int, fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
     return round(n / (time.perf_counter() - start), 1)

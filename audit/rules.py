@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 __all__ = ["DIVERGENCE", "ERASURE_KINDS", "MAX_DELTAS", "witness_errors"]
 
@@ -27,11 +27,11 @@ _MISSING = object()
 DIVERGENCE = ("kl_mean", "kl_max", "argmax_agreement", "max_abs_dlogits")  # kvkernel.witness.divergence()
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: Any) -> TypeGuard[int]:
     return type(v) is int or (isinstance(v, int) and not isinstance(v, bool))  # the first test settles parsed JSON
 
 
-def _is_object(v: Any) -> bool:
+def _is_object(v: Any) -> TypeGuard[Mapping[str, Any]]:
     return type(v) is dict or isinstance(v, Mapping)  # the first test settles parsed JSON (an ABC check costs more)
 
 

@@ -310,7 +310,8 @@ class _ExportCheck:
         genesis = doc["keys"][0]
         self.chain = _KeyChain(_verifier(genesis["name"], genesis["public_key_pem"], "export.keys[0]"), self.origin)
         self.tree, self.last_signed = CompactRange(), 0
-        self.trusted, self.trusted_ok, self.trusted_signer = trusted, False, None
+        self.trusted, self.trusted_ok = trusted, False
+        self.trusted_signer: NoteVerifier | None = None
         self.pending: dict[int, list[tuple[Checkpoint, str]]] = {}
         checkpoints = [_checkpoint(n, f"export.checkpoints[{i}]") for i, n in enumerate(doc["checkpoints"])]
         sizes = [cp.size for cp in checkpoints]

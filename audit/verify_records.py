@@ -271,9 +271,10 @@ def _block(data: bytes, pos: int, end: int, first: int) -> _Block | None:
     written = _laid_out(positions, hashes, entries)
     suspects: set[int] = set()
     if not (len(written) == end - pos and data.startswith(written, pos)):
-        suspects = _wrong_places(data, pos, end, records, positions, hashes, entries)
-        if suspects is None:
+        wrong = _wrong_places(data, pos, end, records, positions, hashes, entries)
+        if wrong is None:
             return None
+        suspects = wrong
     if spelling_doubts(written) and not _rfc8785(bodies, entries):
         return None
     return _Block(records, bodies, entries, leaves, written, suspects)
@@ -328,6 +329,6 @@ def _judge(found: Findings, pending: list[tuple[int, _Block]]) -> None:
         return
     vouched = iter(ok)
     for first, block in pending:
-        for i, (rec, entry, ok) in enumerate(zip(block.records, block.entries, vouched)):
-            if not ok or i in block.suspects:
+        for i, (rec, entry, passed) in enumerate(zip(block.records, block.entries, vouched)):
+            if not passed or i in block.suspects:
                 _note(found, first + i, rec, entry)

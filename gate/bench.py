@@ -25,6 +25,7 @@ import re
 import sys
 import time
 from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -77,6 +78,8 @@ def run_gate_bench(*, megabytes: int = 10, progress: bool = True) -> dict:
     secrets_s = _best_of(lambda: [gate.secrets.scan(b) for b in blocks])
     say(f"rules layer: {mb / rules_s:.1f} MB/s")
     scorer = gate.heuristics.scorer
+    if scorer is None:
+        raise RuntimeError("the gate has no learned n-gram scorer (its weights are missing): reinstall the package")
     learned_s = _best_of(lambda: [scorer.best_window(b) for b in blocks], repeats=2)
     tokens = len(_TOKEN.findall(corpus))
     say(f"learned layer: {mb / learned_s:.1f} MB/s")
@@ -175,7 +178,7 @@ def run_bound_bench(*, sizes: tuple[int, ...] = (32 << 10, 64 << 10, 128 << 10, 
     say = partial(print, file=sys.stderr) if progress else (lambda *a, **k: None)
     gate = Gate()
     tail = every_rule_tail()
-    families = {}
+    families: dict[str, dict[str, Any]] = {}
     for name, build in WORST_CASES.items():
         ms = {n: round(scan_seconds(gate, with_tail(build, tail)(n)) * 1e3, 2) for n in sizes}
         families[name] = {"ms": {str(n): v for n, v in ms.items()},

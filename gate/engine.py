@@ -21,7 +21,7 @@ try:  # pragma: no cover - exercised on machines without the wheel
     HAVE_HYPERSCAN = True
     HYPERSCAN_ERROR = ""
 except ImportError as exc:  # pragma: no cover
-    hyperscan = None
+    hyperscan = None  # type: ignore[assignment]
     HAVE_HYPERSCAN = False
     HYPERSCAN_ERROR = str(exc)
 
@@ -135,7 +135,7 @@ class MultiMatcher:
         pattern (bounded match length, e.g. ``key = value`` rules that flag most source files)
         is confirmed only in the ``window`` bytes before each Hyperscan match end, so its ``re``
         work is proportional to its matches, not to the document."""
-        out = []
+        out: list[tuple[int, re.Match[bytes]]] = []
         for ident, ends in sorted(self._ends(data).items()):
             p, rx = self.patterns[ident], self._python[ident]
             target = text if p.utf8 and text is not None else data

@@ -90,7 +90,8 @@ def _value_lines(text: str, secret: str) -> range:
 
 def scan_lethe(root: Path, paths: list[str]) -> Findings:
     """The gate's secret findings, as the lines their bytes cover."""
-    gate, out = Gate(), defaultdict(set)
+    gate = Gate()
+    out: Findings = defaultdict(set)
     for rel in paths:
         data = (root / rel).read_bytes()
         for f in gate.scan(data).findings:
@@ -115,7 +116,7 @@ def scan_credsweeper(exe: str, root: Path, jobs: int = 2) -> Findings:
 def scan_detect_secrets(exe: str, root: Path) -> Findings:
     """detect-secrets with its default plugins and filters, ``--all-files``."""
     proc = subprocess.run([exe, "scan", "--all-files", "."], cwd=root, check=True, capture_output=True, text=True)
-    out = defaultdict(set)
+    out: Findings = defaultdict(set)
     for path, hits in json.loads(proc.stdout)["results"].items():
         out[str(Path(path))].update(int(h["line_number"]) for h in hits)
     return out
@@ -143,8 +144,8 @@ def run_peers_bench(bin_dir: Path | None = None, *, megabytes: float = 10.0, per
         creds, benign, look, size = write_corpus(root, megabytes, per_format)
         say(f"corpus: {len(creds)} credential files, {len(benign)} package files ({size / 1e6:.1f} MB), {len(look)} look-alikes")
         scanners = {"lethe_gate": lambda: scan_lethe(root, [c["path"] for c in creds] + benign + look),
-                    "credsweeper": lambda: scan_credsweeper(bins["credsweeper"], root),
-                    "detect_secrets": lambda: scan_detect_secrets(bins["detect-secrets"], root)}
+                    "credsweeper": lambda: scan_credsweeper(bins["credsweeper"] or "", root),  # run only when found
+                    "detect_secrets": lambda: scan_detect_secrets(bins["detect-secrets"] or "", root)}
         result: dict = {"credentials": len(creds), "formats": len({c["format"] for c in creds}), "carriers": sorted(CARRIER_FILES),
                         "benign_megabytes": round(size / 1e6, 2), "benign_files": len(benign), "lookalike_documents": len(look),
                         "scoring": "by lines: a credential counts when a finding's line is inside its value's lines"}

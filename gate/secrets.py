@@ -336,7 +336,7 @@ class SecretScanner:
     def scan(self, data: bytes) -> list[Finding]:
         """Confirm every match of every flagged rule. A match text seen before in this scan reuses
         its verdict, so 4 000 copies of one token cost one confirmation, not 4 000."""
-        verdicts: dict[tuple[int, bytes], tuple[str, float] | None] = {}
+        verdicts: dict[tuple[int, bytes], str | None] = {}
         out = []
         for ident, found in self._matches(data):
             rule = self.rules[ident]
@@ -344,9 +344,10 @@ class SecretScanner:
             key = (ident, found.group(0))
             if key not in verdicts:
                 verdicts[key] = self._confirm(rule, found, group)
-            if verdicts[key] is not None:
+            verdict = verdicts[key]
+            if verdict is not None:
                 s, e = found.span(group)
-                out.append(Finding("secret", rule.id, "rules", s, e, rule.score, verdicts[key]))
+                out.append(Finding("secret", rule.id, "rules", s, e, rule.score, verdict))
         return out
 
     def _confirm(self, rule: SecretRule, found: re.Match[bytes], group: int) -> str | None:

@@ -78,7 +78,7 @@ def create_app(settings: Settings | None = None, *, model: Model | None = None) 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
         """A 400 as OpenAI sends it, naming the first offending field as the client wrote it."""
-        first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid request", "type": ""}
+        first: dict[str, Any] = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid request", "type": ""}
         if unread_body(first):
             sent = request.headers.get("content-type")
             return error_response(GatewayError(

@@ -121,9 +121,9 @@ def run_scenario(base_url: str, api_key: str, *, max_tokens: int = 8) -> DemoRep
     body = proof.json()["record"]["body"]
     report.forget.setdefault("witness", body.get("witness"))
     report.forget.setdefault("segments", [body.get("segment_id")])
-    result = verify_erasure_proof(proof.json(), public_key_pem=pinned)
-    report.proof_ok = result.ok
-    report.proof_detail = "; ".join(result.errors) or f"record {index} included, signed, witness max|Δ|=0"
+    verdict = verify_erasure_proof(proof.json(), public_key_pem=pinned)
+    report.proof_ok = verdict.ok
+    report.proof_detail = "; ".join(verdict.errors) or f"record {index} included, signed, witness max|Δ|=0"
     return report
 
 

@@ -127,7 +127,7 @@ class Erasure:
         """Append the audit records a turn owes (once, keyed), then drop the intent."""
         records = intent.payload["records"]
         with fails_as("audit"):
-            indices = self.audit.append_keyed(list(zip(intent_keys(intent, map(str, range(len(records)))), records)))
+            indices = self.audit.append_keyed(list(zip(intent_keys(intent, [str(i) for i in range(len(records))]), records)))
         self._done(intent)
         return indices
 
@@ -218,7 +218,7 @@ class Erasure:
         texts = [content.get(s.content_sha256).decode("utf-8", "surrogatepass")
                  if s.state is SegmentState.LIVE and content.exists(s.content_sha256) else "" for s in conversation]
         # trusted rows, not a request: no wire validation (a tool row keeps no tool_call_id)
-        conv = Conversation(self.tokenizer, [ChatMessage.model_construct(role=s.role, content=t)
+        conv = Conversation(self.tokenizer, [ChatMessage.model_construct(role=s.role, content=t)  # type: ignore[arg-type]
                                              for s, t in zip(conversation, texts)])
         tokens: list[int] = []
         for k, seg in enumerate(conversation):
@@ -230,8 +230,8 @@ class Erasure:
             tokens.extend(piece)
         self.residency.reserve(live, len(tokens))  # within the KV budget, or 503 kv_budget_exhausted
         with fails_as("kernel"):
-            for piece in prefill_pieces(tokens):
-                self._compute(live.cache.extend, piece)
+            for chunk in prefill_pieces(tokens):
+                self._compute(live.cache.extend, chunk)
         log.info("cache.rebuilt", session=live.record.id, tokens=len(tokens))
         return True
 

@@ -38,7 +38,7 @@ import os
 import secrets
 import stat
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol
@@ -83,7 +83,7 @@ class Tier(Protocol):
     def sweep(self) -> int: ...
 
 
-def encoded(cache: KVCache, session_id: str, ledger_mark: str) -> tuple[int, str, Iterator[memoryview]]:
+def encoded(cache: KVCache, session_id: str, ledger_mark: str) -> tuple[int, str, Generator[memoryview, None, None]]:
     """The copy's size, the cache's digest, and its bytes as chunks: the header, the logits, then
     each plane of each layer (a host copy, zeroed with the device copy once the consumer has moved
     on). Rows beyond the length (always zero) are not stored."""
@@ -95,12 +95,12 @@ def encoded(cache: KVCache, session_id: str, ledger_mark: str) -> tuple[int, str
     size = 16 + len(head) + (logits.numel() * 4 if logits is not None else 0) + \
         cache.memory().total_bytes
 
-    def chunks() -> Iterator[memoryview]:
+    def chunks() -> Generator[memoryview, None, None]:
         yield memoryview(MAGIC + len(head).to_bytes(8, "big") + head)
         for part in [*([logits] if logits is not None else []), *cache.export_planes()]:
             host = part.cpu()  # a copy when the kernel runs on CUDA
             try:
-                yield memoryview(host.view(torch.uint8).numpy()).cast("B")
+                yield host.view(torch.uint8).numpy().data.cast("B")
             finally:
                 host.zero_()
                 part.zero_()
@@ -110,7 +110,7 @@ def encoded(cache: KVCache, session_id: str, ledger_mark: str) -> tuple[int, str
 class _Reader:
     """Reads a copy in order, hashing every byte; `exact` reads fail on a short copy."""
 
-    def __init__(self, source: BinaryIO) -> None:
+    def __init__(self, source: BinaryIO) -> None:  # a file opened "rb": buffered, so it has readinto
         self._source = source
         self.sha256 = hashlib.sha256()
 
@@ -118,7 +118,7 @@ class _Reader:
         view = memoryview(buffer).cast("B")
         got = 0
         while got < len(view):
-            n = self._source.readinto(view[got:])
+            n = self._source.readinto(view[got:])  # type: ignore[attr-defined]
             if not n:
                 raise ValueError("the copy is truncated")
             got += n

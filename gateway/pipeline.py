@@ -456,9 +456,9 @@ class Pipeline:
         log.info("tool.admitted", session=live.record.id, tool=tool, action=decision.action,
                  injection=round(verdict.injection, 4), secret=round(report.secret, 4),
                  overhead_ms=round(own.seconds * 1e3, 3))
-        if gated.channel != "tool" and decision.action == "allow":
-            action = None  # reported are tool results, and what the gate changed on other channels
-        return Staged(row, action, conv.stub(m.index, reason) if decision.action == "amortize" else (), audit)
+        # reported are tool results, and what the gate changed on other channels
+        reported = None if gated.channel != "tool" and decision.action == "allow" else action
+        return Staged(row, reported, conv.stub(m.index, reason) if decision.action == "amortize" else (), audit)
 
     def _kept_names(self, name: str | None, identity: dict[str, Any] | None) -> dict[str, str]:
         """Each distinct tool name of a result (its own, its identity's) as the ledger, the response

@@ -8,11 +8,12 @@ import os
 import secrets
 import signal
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import structlog
 import uvicorn
@@ -253,7 +254,7 @@ def http_protocol() -> type:
     return OpenAIHttpToolsProtocol
 
 
-def server_config(app: object, settings: Settings, host: str, port: int) -> uvicorn.Config:
+def server_config(app: Callable[..., Any], settings: Settings, host: str, port: int) -> uvicorn.Config:
     """The one uvicorn configuration (`lethe serve`, the demo and the tests' live gateway)."""
     return uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False, http=http_protocol(),
                           timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 1)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -331,7 +331,7 @@ class KVCache:
         assert self._logits is not None
         return self._logits.clone()
 
-    def generate(self, cfg: GenerationConfig) -> Iterator[int]:
+    def generate(self, cfg: GenerationConfig) -> Generator[int, None, None]:
         """Stream up to ``cfg.max_new_tokens`` token ids, appending each to the cache first.
 
         Stops after an EOS token or once the generated text contains a stop string. The EOS or
@@ -596,7 +596,7 @@ class KVCache:
             positional_ok=err32 == 0.0 and err64 <= tol64,
             probe_positions=edited.shape[0],
             **k.provenance(),
-            **divergence(edited, reference),
+            **dict[str, Any](divergence(edited, reference)),
         )
 
     def _probe(self, probe: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -263,7 +263,7 @@ def calibrate(tf: Transformer, *, progress: bool | None = None) -> Calibration:
     pin_threads(tf.threads)
     t0 = time.perf_counter()
     checks = Checks(tf)
-    rejected = []
+    rejected: list[dict[str, str]] = []
     with tqdm(desc="kvkernel calibration", unit="plan", disable=None if progress is None else not progress, leave=False) as bar:
         for plan in candidates(checks):
             bar.set_postfix_str(plan.name)

@@ -124,11 +124,11 @@ class Transformer:
     @staticmethod
     def _layer(w: dict[str, torch.Tensor], i: int) -> Layer:
         p = f"model.layers.{i}."
-        biases = [w.get(f"{p}self_attn.{n}_proj.bias") for n in "qkv"]
+        biases = [b for n in "qkv" if (b := w.get(f"{p}self_attn.{n}_proj.bias")) is not None]
         return Layer(
             attn_norm=w[p + "input_layernorm.weight"],
             qkv=torch.cat([w[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"]),
-            qkv_bias=torch.cat(biases) if all(b is not None for b in biases) else None,  # type: ignore[misc]
+            qkv_bias=torch.cat(biases) if len(biases) == 3 else None,
             o=w[p + "self_attn.o_proj.weight"],
             mlp_norm=w[p + "post_attention_layernorm.weight"],
             gate_up=torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),

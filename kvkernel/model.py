@@ -217,7 +217,7 @@ def _convert_gguf(gguf: Path, target: Path, *, progress: bool) -> None:
         bar.update()
         bar.set_postfix_str(steps[2])
         # save_pretrained refuses a model that still looks quantised; the weights are plain fp32 now.
-        hf.hf_quantizer = None
+        hf.hf_quantizer = None  # type: ignore[assignment]  # transformers types it as always set
         hf.config.quantization_config = None
         if hasattr(hf.config, "quantization_config"):
             del hf.config.quantization_config

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
+from typing import Any
 
 from sqlalchemy import Connection, Engine, delete, exists, or_, select
 from sqlalchemy.dialects import postgresql, sqlite
@@ -15,7 +16,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from .records import CONTENT_RETIRED, SegmentState
 from .schema import WRITE, blobs, segments
 
-_INSERT = {"sqlite": sqlite.insert, "postgresql": postgresql.insert}
+_INSERT: dict[str, Any] = {"sqlite": sqlite.insert, "postgresql": postgresql.insert}  # each dialect's Insert has its upsert
 
 
 def sha256_hex(data: bytes) -> str:

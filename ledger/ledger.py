@@ -449,12 +449,13 @@ class Ledger:
                 state = SegmentState(item.state)
                 if state not in _APPENDABLE or item.n_tokens < 0:
                     raise LedgerError(f"a turn appends live or quarantined segments of >= 0 tokens, not {item}")
-                redacted = item.replacement is not None
+                replacement = item.replacement
                 seg = Segment(id=_new_segment_id(), session_id=session_id, seq=seq, role=item.role, tool=item.tool,
-                              content_sha256=sha256_hex(item.content) if redacted else self.content.put_in(conn, item.content),
+                              content_sha256=sha256_hex(item.content) if replacement is not None
+                              else self.content.put_in(conn, item.content),
                               start=at, end=at + item.n_tokens, state=state, created_at=self._clock(),
                               data_class=item.data_class, meta=dict(item.meta),
-                              replacement_sha256=self.content.put_in(conn, item.replacement) if redacted else None)
+                              replacement_sha256=None if replacement is None else self.content.put_in(conn, replacement))
                 conn.execute(_INSERT_SEGMENT, {
                     "id": seg.id, "session_id": session_id, "seq": seg.seq, "role": seg.role, "tool": seg.tool,
                     "content_sha256": seg.content_sha256, "tok_start": seg.start, "tok_end": seg.end,

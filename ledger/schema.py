@@ -140,7 +140,7 @@ def make_engine(url: str) -> Engine:
     if in_memory:
         kwargs["poolclass"] = StaticPool  # one connection, or every connection sees its own empty DB
     else:
-        _owner_only(Path(parsed.database))
+        _owner_only(Path(str(parsed.database)))  # not None: in_memory covers None
     engine = create_engine(url, **kwargs)
     _sqlite_transactions(engine)
     return engine

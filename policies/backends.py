@@ -205,7 +205,9 @@ class OpaBackend:
         except requests.ConnectionError as exc:
             raise PolicyError(f"opa at {self.url} is unreachable; start the opa service or fix opa_url") from exc
         except requests.HTTPError as exc:
-            raise PolicyError(f"opa at {self.url} answered HTTP {exc.response.status_code}: {_opa_message(exc.response)}") from exc
+            answer = exc.response
+            status = "with no response" if answer is None else f"HTTP {answer.status_code}: {_opa_message(answer)}"
+            raise PolicyError(f"opa at {self.url} answered {status}") from exc
         except (requests.RequestException, ValueError) as exc:
             raise PolicyError(f"opa at {self.url} failed evaluating {ref}: {exc}") from exc
         if not isinstance(body, dict):

@@ -30,7 +30,8 @@ _INPUTS = [
 def _measure(engine: PolicyEngine, iterations: int) -> dict[str, Any]:
     for i in range(min(200, iterations)):  # warm up: per-thread compile, connection pool
         engine.decide(_INPUTS[i % len(_INPUTS)])
-    samples, actions = [], {}
+    samples: list[float] = []
+    actions: dict[str, int] = {}
     for i in range(iterations):
         start = time.perf_counter_ns()
         decision = engine.decide(_INPUTS[i % len(_INPUTS)])

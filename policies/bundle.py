@@ -60,7 +60,8 @@ def load_bundle(bundle_dir: Path | None = None) -> Bundle:
         bundle_hash, contents = hash_files(root, files)
     except OSError as exc:
         raise PolicyError(f"cannot read policy bundle {root}: {exc}") from exc
-    modules, data, merged, parsed_files = [], [], {}, {}
+    modules, data, parsed_files = [], [], {}
+    merged: dict[str, Any] = {}
     for rel, body in contents.items():
         try:
             text = body.decode("utf-8")

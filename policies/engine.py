@@ -54,7 +54,7 @@ _ERASING = frozenset({"forget", "redact"})
 
 
 def _tenant_probes(tenant: str) -> list[tuple[str, dict[str, Any]]]:
-    base = {"tenant": tenant, "user": "probe", "session": {"id": "probe", "age_s": 0, "tokens": 0},
+    base: dict[str, Any] = {"tenant": tenant, "user": "probe", "session": {"id": "probe", "age_s": 0, "tokens": 0},
             "tool": "lethe.probe", "span": {"bytes": 64, "tokens": 16}}
     requoted = {**base, "channel": "user", "tool": None, "gate": {"injection": 0.0, "secret": 0.0, "findings": []},
                 "content_sha256": "probe", "session": {**base["session"], "quarantined_hashes": ["probe"]}}

@@ -96,6 +96,8 @@ def run_rego_tests(directory: Path | None = None) -> RegoTestReport:
 def _run_file(engine: regorus.Engine, root: Path, path: Path, source: str) -> list[RegoTestResult]:
     package = _PACKAGE.search(source)
     rel = path.relative_to(root).as_posix()
+    if package is None:
+        return [RegoTestResult(f"load {rel}", rel, False, "no `package` line: a Rego file starts with one", 0.0)]
     names = dict.fromkeys(_TEST_RULE.findall(source))  # incremental definitions are one test
     results = []
     for name in names:

@@ -294,7 +294,7 @@ def _redacted_result(result: types.CallToolResult, texts: list[str]) -> types.Ca
     for block in result.content:
         if isinstance(block, types.TextContent):
             content.append(block.model_copy(update={"text": next(it)}))
-        elif _block_text(block) is not None:
+        elif isinstance(block, types.EmbeddedResource) and isinstance(block.resource, types.TextResourceContents):
             content.append(block.model_copy(update={"resource": block.resource.model_copy(update={"text": next(it)})}))
         else:
             content.append(block)
@@ -337,7 +337,7 @@ class Guard:
             Recorder(ledger, audit) if writer is None else LoopRecorder(ledger, audit, writer)
         self.max_result_bytes = max_result_bytes
         self._definitions: dict[tuple[str, str, str], Decision] = {}
-        self._digests: dict[int, tuple[types.Tool, str]] = {}
+        self._digests: dict[int, tuple[BaseModel, str]] = {}
 
     def _scan(self, doc: Document, call: Call) -> GateReport:
         """The document's report, with the secrets that only its parts glued together show."""

@@ -272,7 +272,7 @@ def _as_prompt(outcome: Outcome, call: Call, started: float,
     if original is None or outcome.result.is_error or len(shown) != described + len(original.messages):
         messages = [types.PromptMessage(role="user", content=b) for b in shown]
         return types.GetPromptResult(messages=messages, meta=_meta(outcome, call, started))
-    description = shown[0].text if described else None
+    description = _text_of(shown[0]) if described else None
     messages = [m.model_copy(update={"content": b}) for m, b in zip(original.messages, shown[described:])]
     return types.GetPromptResult(description=description, messages=messages, meta=_meta(outcome, call, started))
 
@@ -283,14 +283,23 @@ def _as_contents(outcome: Outcome, call: Call, started: float, upstream: str, ur
     refusal, a quarantine, a withheld blob) is a text content naming the reason: never silence."""
     shown = outcome.result
     if shown.is_error or len(shown.content) != len(original):
-        contents: list[Any] = [types.TextResourceContents(uri=uri, mime_type="text/plain", text=b.text)
+        contents: list[Any] = [types.TextResourceContents(uri=uri, mime_type="text/plain", text=_text_of(b))
                                for b in shown.content]
     else:
         contents = [b.resource.model_copy(update={"uri": exported_uri(upstream, b.resource.uri)})
                     if isinstance(b, types.EmbeddedResource) else
-                    types.TextResourceContents(uri=exported_uri(upstream, o.uri), mime_type="text/plain", text=b.text)
+                    types.TextResourceContents(uri=exported_uri(upstream, o.uri), mime_type="text/plain", text=_text_of(b))
                     for b, o in zip(shown.content, original)]
     return types.ReadResourceResult(contents=contents, meta=_meta(outcome, call, started))
+
+
+def _text_of(block: Any) -> str:
+    """A block the screening made text (a description, a stub, a text resource's screened text);
+    anything else there is a bug, and the agent gets an error rather than a guess."""
+    if not isinstance(block, types.TextContent):
+        raise MCPError(types.INTERNAL_ERROR, f"lethe expected a text block here, not {type(block).__name__}; "
+                                             "nothing was passed on")
+    return block.text
 
 
 async def _durable(pending: Pending, call: Call) -> Outcome:
