@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable
+from typing import Any
 
 from gate.train import synth
 
@@ -153,7 +154,7 @@ def rows(n_per_kind: int = 60, seed: int = 1507) -> list[dict]:
 
 def _generated(benign: dict[str, Callable[[R], str]], injected: dict[str, Callable[[R], tuple[str, int, int]]],
                n_per_kind: int, seed: int) -> list[dict]:
-    r, out = R(seed), []
+    r, out = R(seed), list[dict[str, Any]]()
     for kind, gen in benign.items():
         out += [{"text": gen(r), "label": "benign", "kind": kind} for _ in range(n_per_kind)]
     for kind, make in injected.items():

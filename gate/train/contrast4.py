@@ -138,7 +138,8 @@ def about_ai_injected(r: R) -> tuple[str, int, int]:
 
 def form_or_business_injected(r: R) -> tuple[str, int, int]:
     """An instruction to the assistant in a form, a manual, or a business document in another language."""
-    return planted(r, r.choice([form, foreign_business]), _attack(r))
+    hosts: list[Callable[..., str]] = [form, foreign_business]
+    return planted(r, r.choice(hosts), _attack(r))
 
 
 FOURTH_BENIGN: dict[str, Callable[[R], str]] = {"c-about-ai": about_ai, "c-forms": form, "c-foreign-business": foreign_business}

@@ -18,6 +18,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -95,7 +96,7 @@ def cross_fit(rows: list[dict], features: np.ndarray, y: np.ndarray) -> np.ndarr
 def transferred_threshold(rows: list[dict], score: np.ndarray, y: np.ndarray, fpr: float) -> dict:
     """A threshold chosen on one fold's kinds (the ``fpr`` quantile of its negatives), applied to
     the other fold's kinds: what an operator gets on kinds the threshold never saw."""
-    hits = {"recall": [], "fpr": [], "thresholds": []}
+    hits: dict[str, list[Any]] = {"recall": [], "fpr": [], "thresholds": []}
     for fold in kind_folds(rows):
         test = np.array([r["kind"] in fold for r in rows])
         neg = np.sort(score[~test & (y == 0)])[::-1]

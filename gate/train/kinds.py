@@ -37,7 +37,8 @@ def held_out_attacks(bipia: Path = BIPIA_DIR) -> dict[str, list[str]]:
     for v in contexts.values():
         _split(v, r)
     text_cats, code_cats = sorted(attacks["text"]), sorted(attacks["code"])
-    r.shuffle(text_cats), r.shuffle(code_cats)
+    r.shuffle(text_cats)
+    r.shuffle(code_cats)
     out = {f"bipia-text:{c}": attacks["text"][c] for c in text_cats[:4]}
     out |= {f"bipia-code:{c}": attacks["code"][c] for c in code_cats[:3]}
     g = random.Random(SEED + 1)

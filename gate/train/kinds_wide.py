@@ -29,6 +29,7 @@ import json
 import random
 import string
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -314,7 +315,7 @@ def short_output(r: R) -> str:
 
 def attacks(r: R, bipia: Path) -> dict[str, Callable[[], str]]:
     held = held_out_attacks(bipia)
-    out: dict[str, Callable[[], str]] = {k: (lambda v=v: r.choice(v)) for k, v in held.items()}
+    out: dict[str, Callable[[], str]] = {k: partial(r.choice, v) for k, v in held.items()}
     out["new:tool_hijack"] = lambda: tool_hijack(r)
     return out
 

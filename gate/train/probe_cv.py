@@ -22,8 +22,10 @@ import argparse
 import hashlib
 import json
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -47,6 +49,7 @@ ATTACK_FOLDS = (
     {"bipia-code:Sending Out Spam Emails", "bipia-text:Persuasion"},
 )
 TARGET_FPR = 0.01
+Logits = Sequence[np.ndarray] | Mapping[int, np.ndarray]  # per row (index), its windows' logits
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,8 @@ def widen(f: np.ndarray, span: int) -> np.ndarray:
     step = 2 * (span - 1)
     if len(f) <= step:
         return f.astype(np.float32).mean(axis=0, keepdims=True)
-    return sum(f[k : len(f) - step + k].astype(np.float32) for k in range(0, step + 1, 2)) / span
+    total: np.ndarray = sum(f[k : len(f) - step + k].astype(np.float32) for k in range(0, step + 1, 2))  # type: ignore[assignment]
+    return total / span
 
 
 def matrices(fs: FeatureSet, cols: np.ndarray, prior: InjectionProbe | None, span: int = 1) -> list[np.ndarray]:
@@ -105,7 +109,7 @@ def matrices(fs: FeatureSet, cols: np.ndarray, prior: InjectionProbe | None, spa
     return out
 
 
-def window_set(fs: FeatureSet, mats: list[np.ndarray], idx: np.ndarray, base_logits: list[np.ndarray] | None, top: int,
+def window_set(fs: FeatureSet, mats: list[np.ndarray], idx: np.ndarray, base_logits: Logits | None, top: int,
                window: int = WINDOW):
     """Training windows of rows ``idx``: spans label windows; unlabelled injected rows contribute
     their ``top`` windows by ``base_logits`` (multiple-instance), benign rows every window."""
@@ -114,17 +118,20 @@ def window_set(fs: FeatureSet, mats: list[np.ndarray], idx: np.ndarray, base_log
     for i in idx:
         row, f = fs.rows[i], mats[i]
         if row["label"] != "injection":
-            xs.append(f), ys.append(np.zeros(len(f)))
+            xs.append(f)
+            ys.append(np.zeros(len(f)))
         elif "tokens" in row:
             a, b = row["tokens"]
             st = np.arange(len(f)) * stride
             overlap = np.clip(np.minimum(st + window, b) - np.maximum(st, a), 0, None)
             need = max(1, min(window, b - a) / 2)
             keep = (overlap >= need) | (overlap == 0)
-            xs.append(f[keep]), ys.append((overlap[keep] >= need).astype(float))
+            xs.append(f[keep])
+            ys.append((overlap[keep] >= need).astype(float))
         elif base_logits is not None:
             best = np.argsort(-base_logits[i])[:top]
-            xs.append(f[best]), ys.append(np.ones(len(best)))
+            xs.append(f[best])
+            ys.append(np.ones(len(best)))
     return np.concatenate(xs).astype(np.float32), np.concatenate(ys)
 
 
@@ -145,7 +152,7 @@ def fit(sets: dict[str, FeatureSet], mats: dict[str, list[np.ndarray]], wide_idx
                            s.mil_top, s.window) for n in names]
     wide, wm = sets["wide"], mats["wide"]
     if s.prior:
-        lookup = [m[:, -1] for m in wm]
+        lookup: Logits = [m[:, -1] for m in wm]
     else:
         benign = np.array([i for i in wide_idx if wide.rows[i]["label"] != "injection"], dtype=int)
         lookup = window_logits(wm, range(len(wm)), fit_logreg(*_cat(labelled + [window_set(wide, wm, benign, None, 0, s.window)]), s.l2))
@@ -157,7 +164,7 @@ def fit(sets: dict[str, FeatureSet], mats: dict[str, list[np.ndarray]], wide_idx
     return fitted
 
 
-def _cat(pairs):
+def _cat(pairs: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate([p[0] for p in pairs]), np.concatenate([p[1] for p in pairs])
 
 
@@ -224,7 +231,7 @@ def _rates(score, y, w, t):
 def score_folds(inst: dict, with_byte: bool, fpr: float = TARGET_FPR) -> dict:
     """Per held-out host fold: calibrated stack and threshold fitted on the other folds' instances."""
     p = np.zeros(len(inst["z"]))
-    hits = {"recall": [], "fpr_num": 0.0, "fpr_den": 0.0, "thresholds": []}
+    hits: dict[str, Any] = {"recall": [], "fpr_num": 0.0, "fpr_den": 0.0, "thresholds": []}
     feats = stack_features(inst["z"], inst["byte"], with_byte)
     y, w = inst["y"], inst["w"]
     for i in range(len(HOST_FOLDS)):

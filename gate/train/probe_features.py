@@ -20,6 +20,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
@@ -172,7 +173,7 @@ def corpus_rows(tok, bipia: Path) -> list[dict]:
     for split in ("train", "dev"):
         for s in make_samples(tok, corpus[split], split, r, CUT):
             kind = "corpus:" + s.source.split("|")[0].split(":")[0].split("/")[0]
-            row = {"text": s.text, "label": "injection" if s.label else "benign", "kind": kind, "prefix": s.prefix, "split": split}
+            row: dict[str, Any] = {"text": s.text, "label": "injection" if s.label else "benign", "kind": kind, "prefix": s.prefix, "split": split}
             if s.inj is not None:
                 row.update(attack="corpus:" + s.source.split("|")[-1].rsplit(":", 1)[0], tokens=list(s.inj))
             out.append(row)

@@ -59,7 +59,7 @@ def _b64url(obj: dict) -> str:
 
 def _jwt(rng: random.Random) -> str:
     head = _b64url({"alg": rng.choice(["HS256", "RS256", "ES256"]), "typ": "JWT"})
-    body = _b64url({"sub": str(rng.randrange(10**6, 10**9)), "iat": rng.randrange(1.6e9, 1.8e9), "scope": "read write"})
+    body = _b64url({"sub": str(rng.randrange(10**6, 10**9)), "iat": rng.randrange(1_600_000_000, 1_800_000_000), "scope": "read write"})
     return f"{head}.{body}.{_fill(rng, '{W:43}')}"
 
 

@@ -116,7 +116,8 @@ def build_corpus(bipia: Path, n_synth: int, n_real: int) -> dict[str, list[Doc]]
     contexts, attacks = _bipia(bipia)
     ctx = {d: _split(v, r) for d, v in contexts.items()}
     text_cats, code_cats = sorted(attacks["text"]), sorted(attacks["code"])
-    r.shuffle(text_cats), r.shuffle(code_cats)
+    r.shuffle(text_cats)
+    r.shuffle(code_cats)
     held = {"text": set(text_cats[:4]), "code": set(code_cats[:3])}
     real = _real_text(r, n_real)
     corpus: dict[str, list[Doc]] = {"train": [], "dev": [], "test": []}

@@ -36,6 +36,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import structlog
@@ -280,14 +281,16 @@ def _train_windows(split: Split, layers, window: int) -> tuple[np.ndarray, np.nd
         feats = window_features(split.hidden(i), layers, window, stride)
         n = split.offsets[i + 1] - split.offsets[i]
         if s.inj is None:
-            xs.append(feats), ys.append(np.zeros(len(feats)))
+            xs.append(feats)
+            ys.append(np.zeros(len(feats)))
             continue
         starts = _starts(n, window, stride)
         a, b = s.inj
         overlap = np.array([max(0, min(st + window, n, b) - max(st, a)) for st in starts])
         need = min(window, n, b - a) / 2
         keep = (overlap >= need) | (overlap == 0)
-        xs.append(feats[keep]), ys.append((overlap[keep] >= need).astype(float))
+        xs.append(feats[keep])
+        ys.append((overlap[keep] >= need).astype(float))
     return np.concatenate(xs), np.concatenate(ys)
 
 
@@ -398,15 +401,15 @@ def main(argv: list[str] | None = None) -> dict:
     probe = _probe(layers, window, fitted, platt, identity, meta)
 
     # Test, once: probe, n-gram layer and full gate on the very same cut texts; stack fitted on dev.
-    scores = {}
+    scores: dict[str, dict[str, np.ndarray]] = {}
     for name, split in (("dev", dev), ("test", test)):
         ngram, gate = _baselines([s.text for s in split.samples])
         probe_p = np.array([probe.score(split.hidden(i)) for i in range(len(split.samples))])
         scores[name] = {"ngram": ngram, "gate": gate, "probe": probe_p}
-    m, sc, c, b = fit_logreg(_stack(scores["dev"]["probe"], scores["dev"]["gate"]), dev.y.astype(float), 1e-4)
-    stack = {"coef": (c / sc).tolist(), "intercept": float(b - (c * m / sc).sum())}  # on raw logits
+    mu, sc, c, b = fit_logreg(_stack(scores["dev"]["probe"], scores["dev"]["gate"]), dev.y.astype(float), 1e-4)
+    stack = {"coef": (c / sc).tolist(), "intercept": float(b - (c * mu / sc).sum())}  # on raw logits
     probe = replace(probe, meta={**meta, "stack": stack})
-    metrics = {}
+    metrics: dict[str, dict[str, Any]] = {}
     for name, split in (("dev", dev), ("test", test)):
         s = scores[name]
         s["max(probe,gate)"] = np.maximum(s["probe"], s["gate"])
