@@ -12,7 +12,6 @@ import hashlib
 import json
 import logging
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -147,12 +146,6 @@ def format_report(report: DemoReport) -> str:
     return "\n".join(lines)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def demo_bundle(target: Path) -> Path:
     """The shipped policy bundle plus the demo tenant's data."""
     import policies
@@ -179,7 +172,7 @@ def local_gateway(settings: Settings, model: Any = None, port: int | None = None
 
     from .app import create_app
     from .tenants import TenantStore
-    from .wiring import server_config
+    from .wiring import free_port, server_config
 
     with tempfile.TemporaryDirectory(prefix="lethe-demo-") as tmp:
         data = Path(tmp)
@@ -187,7 +180,7 @@ def local_gateway(settings: Settings, model: Any = None, port: int | None = None
             "data_dir": data, "database_url": None, "audit_database_url": f"sqlite:///{data / 'audit.db'}",
             "model_cache_dir": settings.resolved("model_cache_dir", "models").resolve(),
             "policy_dir": demo_bundle(data / "policies"), "policy_backend": "embedded",
-            "audit_key_path": None, "salt_secret_path": None, "port": port or _free_port()})
+            "audit_key_path": None, "salt_secret_path": None, "port": port or free_port()})
         app = create_app(s, model=model)
         store: TenantStore = app.state.lethe.tenants
         store.create_tenant(DEMO_TENANT)

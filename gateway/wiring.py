@@ -7,10 +7,11 @@ import asyncio
 import os
 import secrets
 import signal
+import socket
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from contextlib import ExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -252,6 +253,20 @@ def http_protocol() -> type:
             self.transport.write(bad_request_bytes(msg))
             self.transport.close()
     return OpenAIHttpToolsProtocol
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct loopback ports nobody listens on now (the demo, the benches and the tests start
+    servers on them; never fixed ones, where a server left by a killed run would answer instead)."""
+    with ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+
+
+def free_port() -> int:
+    return free_ports(1)[0]
 
 
 def server_config(app: Callable[..., Any], settings: Settings, host: str, port: int) -> uvicorn.Config:

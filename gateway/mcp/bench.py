@@ -48,12 +48,6 @@ def _serve_upstream(port: int) -> None:
     server.run("streamable-http", host="127.0.0.1", port=port)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _wait(port: int, proc: subprocess.Popen[bytes], seconds: float = 120) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -180,9 +174,10 @@ def _guard_cpu_ms(workdir: Path, samples: int = 100) -> dict[str, float]:
 
 def run_mcp_bench(clients: int = 8, calls: int = 50) -> dict[str, Any]:
     from ..tenants import TenantStore
+    from ..wiring import free_ports
 
     workdir = Path(tempfile.mkdtemp(prefix="lethe-bench-mcp-"))
-    up_port, proxy_port = _free_port(), _free_port()
+    up_port, proxy_port = free_ports(2)
     env = {**os.environ, "LETHE_DATA_DIR": str(workdir), "LETHE_LOG_LEVEL": "warning"}
     store = TenantStore.from_url(f"sqlite:///{workdir / 'lethe.db'}")
     store.create_tenant("bench")

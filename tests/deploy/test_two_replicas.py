@@ -1,7 +1,8 @@
 """Two `lethe serve` processes on loopback sharing one PostgreSQL: a session moves between them.
 
-The same scenario as `make compose-smoke` (deploy/two_replicas.py), without containers: replica 1
-on 127.0.0.1:18181, replica 2 on 127.0.0.1:18182, one fresh database per run (dropped afterwards)
+The same scenario as `make compose-smoke` (deploy/two_replicas.py), without containers: two
+replicas on free loopback ports (never fixed ones: a server left on one by a killed run would
+answer in their place), one fresh database per run (dropped afterwards)
 on the PostgreSQL at 127.0.0.1:5432, one audit key and one salt secret shared by both, policies
 from the embedded engine. Replica 1 is SIGKILLed in the middle of a streamed turn and restarted.
 """
@@ -18,13 +19,11 @@ from pathlib import Path
 import pytest
 
 from deploy.two_replicas import Keys, Scenario, lethe_cli, table, wait_ready
+from gateway.wiring import free_ports
 from tests.conftest import fresh_pg_database
 
 # Two model loads, two kernel calibrations and a restart: minutes on a busy 2-core machine.
 pytestmark = [pytest.mark.model, pytest.mark.postgres, pytest.mark.slow, pytest.mark.timeout(2400)]
-
-PORTS = (18181, 18182)
-
 
 @dataclass
 class ServeProcess:
@@ -73,7 +72,7 @@ def deployment(database: str, model_cache_dir: Path, tmp_path_factory) -> Iterat
         assert done.returncode == 0, done.stdout + done.stderr
     keys.tenant = done.stdout.strip().splitlines()[-1]
     replicas = [ServeProcess(f"replica-{n}", port, {**env, "LETHE_DATA_DIR": str(root / f"r{n}")}, root / f"r{n}.log")
-                for n, port in enumerate(PORTS, 1)]
+                for n, port in enumerate(free_ports(2), 1)]
     try:
         for replica in replicas:
             replica.start()

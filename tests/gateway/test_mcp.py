@@ -1,9 +1,9 @@
 """`lethe mcp` with real parts: the proxy and its upstreams are processes, driven by the SDK's own client.
 
 One data directory (SQLite ledger and audit log, a policy bundle with a tenant of its own) serves a
-stdio proxy (tenant acme, spawned per connection) and an HTTP proxy on 127.0.0.1:$LETHE_TEST_MCP_PORT
-(API keys) that fronts the fixture upstream over stdio (`fx`), the same fixture over streamable HTTP
-on the next port (`web`), and a hostile hand-written upstream (`bad`). Each transport runs one batch of calls
+stdio proxy (tenant acme, spawned per connection) and an HTTP proxy on a free loopback port (API
+keys) that fronts the fixture upstream over stdio (`fx`), the same fixture over streamable HTTP on
+another (`web`), and a hostile hand-written upstream (`bad`). Each transport runs one batch of calls
 once; the tests below assert properties of what the agent got and of what was recorded.
 """
 from __future__ import annotations
@@ -35,6 +35,7 @@ import policies
 from audit import AuditLog, Signer
 from gateway.cli import app as cli
 from gateway.tenants import TenantStore
+from gateway.wiring import free_ports
 from ledger import Ledger
 
 HERE = Path(__file__).parent
@@ -44,8 +45,7 @@ from mcp_upstream import CLEAN, CREDENTIALS, PAGE, POISONED  # noqa: E402
 
 FIXTURE, HOSTILE = HERE / "mcp_upstream.py", HERE / "mcp_hostile.py"
 PY = sys.executable
-PROXY_PORT = int(os.environ.get("LETHE_TEST_MCP_PORT", "18160"))  # override per worktree, like LETHE_TEST_PORT
-UPSTREAM_PORT = PROXY_PORT + 1
+PROXY_PORT, UPSTREAM_PORT = free_ports(2)  # never fixed: a proxy left by a killed run would answer instead
 AWS_KEY, AWS_SECRET = "AKIAPTGZ6JFEBZSDOXRL", "nHBdHIyvNLVlRXFwF8JlMaLNy02K35uDNHfkf7J8"
 REDACTED = ("[default]\naws_access_key_id = [REDACTED:aws_access_key_id]\n"
             "aws_secret_access_key = [REDACTED:aws_secret_access_key]\nregion = eu-west-1\n")

@@ -1,11 +1,11 @@
 """The opa backend against the loopback OPA stand-in (conftest.OpaStandin): same answers, fail closed."""
 
-import socket
 import time
 
 import pytest
 from opa_client import OpaClient
 
+from gateway.wiring import free_port
 from policies import PolicyEngine, PolicyError
 
 GATES = [
@@ -20,12 +20,6 @@ GATES = [
 def decision_input(tenant, tool, gate):
     return {"tenant": tenant, "user": "u", "session": {"id": "s", "age_s": 1, "tokens": 10},
             "tool": tool, "span": {"bytes": 10, "tokens": 5}, "gate": gate}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_opa_backend_agrees_with_embedded(opa_standin):
