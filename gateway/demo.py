@@ -172,7 +172,7 @@ def local_gateway(settings: Settings, model: Any = None, port: int | None = None
 
     from .app import create_app
     from .tenants import TenantStore
-    from .wiring import free_port, server_config
+    from .wiring import free_ports, server_config
 
     with tempfile.TemporaryDirectory(prefix="lethe-demo-") as tmp:
         data = Path(tmp)
@@ -180,7 +180,7 @@ def local_gateway(settings: Settings, model: Any = None, port: int | None = None
             "data_dir": data, "database_url": None, "audit_database_url": f"sqlite:///{data / 'audit.db'}",
             "model_cache_dir": settings.resolved("model_cache_dir", "models").resolve(),
             "policy_dir": demo_bundle(data / "policies"), "policy_backend": "embedded",
-            "audit_key_path": None, "salt_secret_path": None, "port": port or free_port()})
+            "audit_key_path": None, "salt_secret_path": None, "port": port or free_ports(1)[0]})
         app = create_app(s, model=model)
         store: TenantStore = app.state.lethe.tenants
         store.create_tenant(DEMO_TENANT)

@@ -265,10 +265,6 @@ def free_ports(n: int) -> list[int]:
         return [int(s.getsockname()[1]) for s in socks]
 
 
-def free_port() -> int:
-    return free_ports(1)[0]
-
-
 def server_config(app: Callable[..., Any], settings: Settings, host: str, port: int) -> uvicorn.Config:
     """The one uvicorn configuration (`lethe serve`, the demo and the tests' live gateway)."""
     return uvicorn.Config(app, host=host, port=port, log_config=None, access_log=False, http=http_protocol(),

@@ -176,12 +176,18 @@ def _rebuild(value: Any, texts: Iterator[str]) -> Any:
     return value
 
 
+def _text_resource(block: Any) -> types.TextResourceContents | None:
+    """The text resource an embedded-resource block carries, if it carries one."""
+    if isinstance(block, types.EmbeddedResource) and isinstance(block.resource, types.TextResourceContents):
+        return block.resource
+    return None
+
+
 def _block_text(block: Any) -> str | None:
     if isinstance(block, types.TextContent):
         return block.text
-    if isinstance(block, types.EmbeddedResource) and isinstance(block.resource, types.TextResourceContents):
-        return block.resource.text
-    return None
+    resource = _text_resource(block)
+    return None if resource is None else resource.text
 
 
 def result_parts(result: types.CallToolResult) -> list[str]:
@@ -267,8 +273,6 @@ class Document:
         carrying = [k for k in range(len(spans)) if glue[k]]  # a key alone carries no string
         lines, seams, pos = [], [], 0  # seams: the pair's parts, and where the pair and its seam are scanned
         for i, j in zip(carrying, carrying[1:]):
-            if glue[i] == self.data[spans[i][0]:spans[i][1]] and glue[j] == self.data[spans[j][0]:spans[j][1]]:
-                continue  # two text blocks: `_across` reads their seam exactly
             before, after = glue[i][-_REACH:], glue[j][:_REACH]
             lines.append(before + after)
             seams.append((i, j, pos, pos + len(before), pos + len(before) + len(after)))
@@ -294,8 +298,8 @@ def _redacted_result(result: types.CallToolResult, texts: list[str]) -> types.Ca
     for block in result.content:
         if isinstance(block, types.TextContent):
             content.append(block.model_copy(update={"text": next(it)}))
-        elif isinstance(block, types.EmbeddedResource) and isinstance(block.resource, types.TextResourceContents):
-            content.append(block.model_copy(update={"resource": block.resource.model_copy(update={"text": next(it)})}))
+        elif (resource := _text_resource(block)) is not None:
+            content.append(block.model_copy(update={"resource": resource.model_copy(update={"text": next(it)})}))
         else:
             content.append(block)
     structured = _rebuild(result.structured_content, it) if result.structured_content is not None else None

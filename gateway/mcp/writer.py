@@ -231,9 +231,10 @@ class WriterProcess:
 
     def _answer(self, indices: list[int] | Exception) -> None:
         self._pending -= 1
-        self._no_deadline()
         if self._pending:
-            self._arm_oldest()
+            self._arm_oldest()  # the next batch's deadline, from this answer
+        else:
+            self._no_deadline()
         assert self._answered is not None
         self._answered(indices)
 

@@ -15,6 +15,7 @@ import random
 import signal
 import sqlite3
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -285,7 +286,7 @@ def test_a_stopped_writer_fails_its_batch_at_the_commit_timeout_and_a_new_writer
 def _dead(pid: int) -> None:
     """Wait, without letting the loop run (so no EOF is read there), until a killed child is gone."""
     while any(p.pid == pid for p in multiprocessing.active_children()):
-        pass
+        time.sleep(0.001)
 
 
 def test_pipelined_batches_each_get_their_own_indices_in_the_order_sent(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ import time
 import pytest
 from opa_client import OpaClient
 
-from gateway.wiring import free_port
+from gateway.wiring import free_ports
 from policies import PolicyEngine, PolicyError
 
 GATES = [
@@ -85,7 +85,7 @@ def test_opa_server_error_fails_closed(opa_standin):
 
 
 def test_opa_unreachable_fails_closed(make_bundle):
-    opa = PolicyEngine(make_bundle(), backend="opa", opa_url=f"http://127.0.0.1:{free_port()}", retries=1)
+    opa = PolicyEngine(make_bundle(), backend="opa", opa_url=f"http://127.0.0.1:{free_ports(1)[0]}", retries=1)
     d = opa.decide(decision_input("acme", "web.fetch", GATES[4]))
     assert d.action == "quarantine" and "unreachable" in d.reasons[0]
     with pytest.raises(PolicyError, match="unreachable"):
