@@ -469,7 +469,7 @@ class Pipeline:
         names = {name, ident.get("name"), ident.get("claimed_name"), *ident.get("folded", ())} - {None, ""}
         kept: dict[str, str] = {}
         for n in names:
-            hits = [f for f in self.p.gate.scan(n.encode("utf-8", "surrogatepass")).findings if f.kind == "secret"]
+            hits = self.p.gate.scan_secrets(n)
             kept[n] = f"[REDACTED:{hits[0].rule_id}]" if hits else n
         return kept
 

@@ -262,8 +262,8 @@ class Document:
 
         glued = b"".join(self.data[s:e] for s, e in self.spans)
         return [replace(f, byte_start=moved(f.byte_start), byte_end=moved(f.byte_end - 1) + 1)
-                for f in gate.scan(glued).findings
-                if f.kind == "secret" and f.byte_end > f.byte_start
+                for f in gate.scan_secrets(glued)
+                if f.byte_end > f.byte_start
                 and part_of(f.byte_start) != part_of(f.byte_end - 1)]
 
     def _across_values(self, gate: Gate) -> list[Finding]:
@@ -277,9 +277,9 @@ class Document:
             lines.append(before + after)
             seams.append((i, j, pos, pos + len(before), pos + len(before) + len(after)))
             pos += len(before) + len(after) + 1
-        found = gate.scan(b"\n".join(lines)).findings if lines else ()
+        found = gate.scan_secrets(b"\n".join(lines)) if lines else []
         return [replace(f, byte_start=spans[i][0], byte_end=spans[j][1])
-                for f in found if f.kind == "secret"
+                for f in found
                 for i, j, start, seam, end in seams if start <= f.byte_start < seam < f.byte_end <= end]
 
     def split(self, findings: tuple[Finding, ...], kinds: tuple[str, ...]) -> list[Redaction]:

@@ -88,3 +88,24 @@ def test_windowed_confirmation_finds_exactly_what_whole_input_confirmation_finds
     key = lambda fs: sorted((f.rule_id, f.byte_start, f.byte_end) for f in fs)
     for d in docs:
         assert key(windowed.scan(d)) == key(whole.scan(d))
+
+
+def test_a_secrets_only_scan_finds_exactly_the_secret_findings_of_a_whole_scan() -> None:
+    """`Gate.scan_secrets` (the MCP guard's look across parts, a tool name's check) skips the
+    injection layers; over every format in every carrier, plain and split by a zero-width space
+    or spelled in fullwidth (the normalised readings), it must report what `scan` reports."""
+    gate = Gate()  # with the learned layer: the whole scan the gateway runs
+    rng = random.Random(15)
+    texts = []
+    for fmt in secretgen.FORMATS:
+        carrier = rng.choice(secretgen.CARRIERS)
+        value = secretgen.credential(rng, fmt)
+        text = secretgen.carry(rng, fmt, value, carrier)
+        texts += [text, text.replace(value, value[:6] + "\u200b" + value[6:]),
+                  text.replace(value, value.translate({c: c + 0xFEE0 for c in range(0x21, 0x7F)}))]
+    found = 0
+    for text in texts:
+        whole = [f for f in gate.scan(text.encode()).findings if f.kind == "secret"]
+        assert gate.scan_secrets(text) == whole, text[:200]
+        found += bool(whole)
+    assert found >= 2 * len(secretgen.FORMATS)  # the property is tested on findings, not on empty lists
