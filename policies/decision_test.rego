@@ -43,14 +43,14 @@ test_clean_result_is_allowed if {
 test_injection_over_default_threshold_quarantines if {
 	d := decide(req("nobody", "web.fetch", {"injection": 0.98, "secret": 0, "findings": []}))
 	d.action == "quarantine"
-	d.reasons == ["injection_threshold: injection 0.98 >= 0.34"]
+	d.reasons == ["injection_threshold: injection 0.98 >= 0.77"]
 }
 
 test_byte_gate_scores_use_the_byte_gate_threshold if {
-	gate := {"injection": 0.45, "secret": 0, "findings": [], "scorer": "byte_gate"}
-	decide(req("nobody", "web.fetch", gate)).action == "allow"
-	d := decide(req("nobody", "web.fetch", object.union(gate, {"scorer": "stack"})))
-	d.reasons == ["injection_threshold: injection 0.45 >= 0.34"]
+	gate := {"injection": 0.6, "secret": 0, "findings": [], "scorer": "byte_gate"}
+	d := decide(req("nobody", "web.fetch", gate))
+	d.reasons == ["injection_threshold: injection 0.60 >= 0.50"]
+	decide(req("nobody", "web.fetch", object.union(gate, {"scorer": "stack"}))).action == "allow"
 }
 
 test_tenant_threshold_override_quarantines_what_default_allows if {
@@ -258,7 +258,7 @@ test_absent_channel_means_tool if {
 
 test_untrusted_channels_gate_injection if {
 	every channel in ["tool", "mcp", "tool_definition", "tool_call_arguments", "assistant"] {
-		decide(on(channel, "web.fetch", injected)).reasons == ["injection_threshold: injection 0.98 >= 0.34"]
+		decide(on(channel, "web.fetch", injected)).reasons == ["injection_threshold: injection 0.98 >= 0.77"]
 	}
 }
 

@@ -65,6 +65,9 @@ class Setting:
     redteam: bool = False  # and on the red-team sets already used as judges (``probe_features.REDTEAM_TRAIN``)
     span: int = 1  # read-out windows of ``span * WINDOW`` tokens (stride ``WINDOW // 2``), averaged from the cache
     rounds: int = 1  # multiple-instance rounds: later ones re-pick the positive windows by the previous fit
+    # Platt, stack and policy threshold fitted on the red-team sets' out-of-set scores too (``redteam_out_of_set``),
+    # not on the wide set's out-of-fold scores alone (its generated and package hosts calibrate it for those only)
+    calibrate_redteam: bool = False
 
     @property
     def trains_on(self) -> dict[str, bool]:
@@ -205,6 +208,35 @@ def expand(wide: FeatureSet, oof: np.ndarray, hf: np.ndarray, byte: np.ndarray):
     return {"row": a[:, 0].astype(int), "z": a[:, 1], "byte": a[:, 2], "y": a[:, 3], "w": a[:, 4], "fold": a[:, 5].astype(int)}
 
 
+def redteam_out_of_set(sets: dict[str, FeatureSet], mats: dict[str, list[np.ndarray]], s: Setting) -> np.ndarray:
+    """Each red-team row's window-max logit from a probe fitted on everything but the whole set
+    (``REDTEAM_TRAIN`` file) the row comes from: scores on tool outputs written by someone else,
+    in genres the wide set lacks. Out of set, not strictly out of kind: the sets share some genres."""
+    red = sets["redteam"]
+    names = np.array([r["set"] for r in red.rows])
+    z = np.full(len(red.rows), np.nan)
+    for name in dict.fromkeys(names):
+        keep, held = np.flatnonzero(names != name), np.flatnonzero(names == name)
+        sub = {**sets, "redteam": FeatureSet([red.rows[i] for i in keep], [red.feats[i] for i in keep])}
+        fitted = fit(sub, {**mats, "redteam": [mats["redteam"][i] for i in keep]}, np.arange(len(sets["wide"].rows)), s)
+        z[held] = [w.max() for w in window_logits(mats["redteam"], held, fitted)]
+        print(f"[probe_cv] {s} without {name} done", file=sys.stderr, flush=True)
+    return z
+
+
+def calibration_instances(sets: dict[str, FeatureSet], mats: dict[str, list[np.ndarray]], s: Setting,
+                          inst: dict) -> dict[str, np.ndarray]:
+    """What Platt, the stack and the threshold are fitted on: the wide set's out-of-fold
+    instances, and with ``calibrate_redteam`` the red-team rows' out-of-set scores (weight 1)."""
+    pooled = {k: inst[k] for k in ("z", "byte", "y", "w")}
+    if not s.calibrate_redteam:
+        return pooled
+    red = sets["redteam"]
+    extra = {"z": redteam_out_of_set(sets, mats, s), "byte": byte_scores(red.rows, "redteam"), "y": red.y,
+             "w": np.ones(len(red.rows))}
+    return {k: np.concatenate([pooled[k], extra[k]]) for k in pooled}
+
+
 def _lg(p):
     p = np.clip(p, 1e-6, 1 - 1e-6)
     return np.log(p / (1 - p))
@@ -305,6 +337,8 @@ SETTINGS = [
     Setting(LAYERS, 1e-1, 2, True, extra=True, third=True, fourth=True),
     # and the hand-written red-team sets s4-s6 (judged on a set written after them)
     Setting(LAYERS, 1e-1, 2, True, extra=True, third=True, fourth=True, redteam=True),
+    # calibrated on the red-team sets' out-of-set scores as well (judged on a set written after them)
+    Setting(LAYERS, 1e-1, 2, True, extra=True, third=True, fourth=True, redteam=True, calibrate_redteam=True),
 ]
 
 
@@ -349,34 +383,44 @@ def fold_prior(fitted, layers: tuple[int, ...], prior: InjectionProbe | None):
 
 
 def ship(sets: dict[str, FeatureSet], s: Setting, out: Path) -> dict:
-    """Fit on everything; Platt, stack and the policy threshold from the cross-validated scores."""
+    """Fit on everything; Platt, stack and the policy threshold from the cross-validated scores
+    (with ``calibrate_redteam``, and the red-team sets' out-of-set scores)."""
     from gate.train.train_probe import model_identity
 
     wide = sets["wide"]
     byte = byte_scores(wide.rows, "wide")
     cv = cross_validate(sets, s)
     inst = expand(wide, cv["oof"], cv["host_fold"], byte)
-    y, wt = inst["y"], inst["w"]
-    a, c = fit_logistic(inst["z"][:, None], y, l2=1e-3)
-    probe_logit = a * inst["z"] + c
-    st = fit_logistic(np.stack([probe_logit, _lg(byte[inst["row"]])], axis=1), y, l2=1e-3)
-    stacked = 1 / (1 + np.exp(-(np.stack([probe_logit, _lg(byte[inst["row"]])], axis=1) @ st[:-1] + st[-1])))
-    threshold = weighted_threshold(stacked, y, wt, TARGET_FPR)
-    folds, probe_folds = score_folds(inst, True), score_folds(inst, False)
     prior = InjectionProbe.load(BASE_PROBE) if s.prior else None
     mats = {n: matrices(fs, fs.layer_slice(s.layers), prior, s.span) for n, fs in sets.items()}
+    cal = calibration_instances(sets, mats, s, inst)
+    a, c = fit_logistic(cal["z"][:, None], cal["y"], l2=1e-3)
+    features = lambda z, b: np.stack([a * z + c, _lg(b)], axis=1)  # noqa: E731
+    st = fit_logistic(features(cal["z"], cal["byte"]), cal["y"], l2=1e-3)
+    stacked = lambda z, b: 1 / (1 + np.exp(-(features(z, b) @ st[:-1] + st[-1])))  # noqa: E731
+    threshold = weighted_threshold(stacked(cal["z"], cal["byte"]), cal["y"], cal["w"], TARGET_FPR)
+    folds, probe_folds = score_folds(inst, True), score_folds(inst, False)
     layers, w, bias = fold_prior(fit(sets, mats, np.arange(len(wide.rows)), s), s.layers, prior)
+    wide_stacked = stacked(inst["z"], inst["byte"])
     meta = {"layers": list(layers), "hidden_size": 576, "window": s.window, "stride": WINDOW // 2, "intercept": bias,
             "platt": [float(a), float(c)], "model_identity": model_identity(), "plan": "leave-kinds-out",
             "setting": s.__dict__ | {"layers": list(s.layers)}, "base_probe": BASE_PROBE.name,
             "stack": {"coef": [float(st[0]), float(st[1])], "intercept": float(st[2])},
             "policy_threshold": {"value": round(threshold, 4), "target_fpr": TARGET_FPR,
-                                 "how": "the weighted 1%-FPR point of the pooled out-of-fold stack scores"},
+                                 "how": "the weighted 1%-FPR point of the pooled out-of-fold stack scores"
+                                        + (" and the red-team sets' out-of-set scores" if s.calibrate_redteam else "")},
             "host_folds": [sorted(f) for f in HOST_FOLDS], "attack_folds": [sorted(f) for f in ATTACK_FOLDS],
             "trained_on": {k: len(v.rows) for k, v in sets.items()},
             "cross_validated_probe_alone": {k: v for k, v in probe_folds.items() if k != "p"},
-            "cross_validated": {**{k: v for k, v in folds.items() if k != "p"}, **report(wide, inst, folds, threshold, stacked),
-                                "at_shipped_threshold": _rates(stacked, y, wt, threshold - 1e-12)}}
+            "cross_validated": {**{k: v for k, v in folds.items() if k != "p"}, **report(wide, inst, folds, threshold, wide_stacked),
+                                "at_shipped_threshold": _rates(wide_stacked, inst["y"], inst["w"], threshold - 1e-12)}}
+    if s.calibrate_redteam:
+        n = len(wide_stacked)
+        red = {k: v[n:] for k, v in cal.items()}
+        p = stacked(red["z"], red["byte"])
+        meta["redteam_out_of_set"] = {"rows": len(p), "auc": round(roc_auc(p, red["y"]), 4),
+                                      "recall_at_1pct_fpr": _rates(p, red["y"], red["w"], weighted_threshold(p, red["y"], red["w"], TARGET_FPR))["recall"],
+                                      "at_shipped_threshold": _rates(p, red["y"], red["w"], threshold - 1e-12)}
     np.savez_compressed(out, mean=np.zeros_like(w, dtype=np.float32), scale=np.ones_like(w, dtype=np.float32),
                         coef=w.astype(np.float32), meta=json.dumps(meta))
     out.with_suffix(".json").write_text(json.dumps(meta, indent=2) + "\n")

@@ -35,7 +35,8 @@ CHUNK = 25
 WIDE = Path(__file__).resolve().parents[1] / "data" / "kinds_wide.jsonl"
 # Hand-written red-team sets that may be trained on (``redteam_rows``): sets already used to judge
 # a shipped probe. A set not listed here stays held out.
-REDTEAM_TRAIN = ("fresh_redteam_s4.jsonl", "fresh_redteam_s5.jsonl", "fresh_redteam_s6.jsonl", "fresh_redteam_s7.jsonl")
+REDTEAM_TRAIN = ("fresh_redteam_s4.jsonl", "fresh_redteam_s5.jsonl", "fresh_redteam_s6.jsonl", "fresh_redteam_s7.jsonl",
+                 "fresh_redteam_s8.jsonl")
 # The sets a probe setting may train on besides the wide set and the corpus (``load_all``'s names).
 TRAINING_SETS = ("contrast", "contrast-extra", "contrast-third", "contrast-fourth", "redteam")
 
@@ -158,7 +159,7 @@ def redteam_rows(tok) -> list[dict]:
         for line in (WIDE.parent / name).read_text(encoding="utf-8").splitlines():
             row = json.loads(line)
             out.append({**row, "kind": "redteam:" + row["kind"], "text": _truncate(tok, row["text"]),
-                        "prefix": r.randrange(len(PREFIXES))})
+                        "prefix": r.randrange(len(PREFIXES)), "set": name})
     return out
 
 

@@ -58,6 +58,33 @@ def test_every_out_of_fold_score_comes_from_a_model_that_never_saw_its_host_or_a
         assert np.isfinite(scores).sum() == (len(probe_cv.ATTACK_FOLDS) if r["label"] == "benign" else 1)
 
 
+def test_every_red_team_calibration_score_comes_from_a_model_that_never_saw_its_set(wide_rows, monkeypatch) -> None:
+    seen: list[set[str]] = []
+    real_fit = probe_cv.fit
+
+    def spy(sets, mats, wide_idx, s):
+        seen.append({r["set"] for r in sets["redteam"].rows})
+        return real_fit(sets, mats, wide_idx, s)
+
+    monkeypatch.setattr(probe_cv, "fit", spy)
+    wide = [r for r in wide_rows if r["kind"] in ("notes", "calendar")][::8]
+    red = [{"text": f"row {k}", "label": ("benign", "injection")[k % 2], "kind": "redteam:x", "set": f"s{k % 3}"}
+           for k in range(12)]
+    sets = {"wide": _fake_set(wide), "redteam": _fake_set(red, seed=1)}
+    s = probe_cv.Setting((12,), 1.0, 1, False, False, redteam=True, calibrate_redteam=True)
+    mats = {n: probe_cv.matrices(fs, fs.layer_slice(s.layers), None) for n, fs in sets.items()}
+    z = probe_cv.redteam_out_of_set(sets, mats, s)
+    assert [sorted(sets_seen) for sets_seen in seen] == [["s1", "s2"], ["s0", "s2"], ["s0", "s1"]]
+    assert np.isfinite(z).all()
+    for k, held in enumerate(("s0", "s1", "s2")):  # each set's scores are those of the model fitted without it
+        fitted = real_fit({**sets, "redteam": FeatureSet([r for r in red if r["set"] != held],
+                                                         [f for r, f in zip(red, sets["redteam"].feats) if r["set"] != held])},
+                          {**mats, "redteam": [m for r, m in zip(red, mats["redteam"]) if r["set"] != held]},
+                          np.arange(len(wide)), s)
+        idx = [i for i, r in enumerate(red) if r["set"] == held]
+        np.testing.assert_allclose(z[idx], [w.max() for w in probe_cv.window_logits(mats["redteam"], idx, fitted)], rtol=1e-6)
+
+
 def test_the_folded_probe_gives_the_fitted_logit_of_features_and_base_probe() -> None:
     rng = np.random.default_rng(1)
     base = InjectionProbe.load(probe_cv.BASE_PROBE)
@@ -124,11 +151,12 @@ def test_later_round_rows_mark_their_instruction_and_share_no_six_words_with_the
                    4: (contrast4.fourth_rows(), {*contrast4.FOURTH_BENIGN, *contrast4.FOURTH_INJECTED})}[round_]
     assert {r["kind"] for r in rows} == kinds
     assert not {r["kind"] for r in rows} & {r["kind"] for r in wide_rows}
-    # Public boilerplate both sides wrote from common usage, not from each other (sets s6 and s8 were
-    # written after these templates, by writers who never saw them): the example IBAN of every IBAN
-    # guide, the German invoice's standard payment term, and Spanish for "all the files in the folder".
+    # Public boilerplate both sides wrote from common usage, not from each other (sets s6, s8 and s9
+    # were written after these templates, by writers who never saw them): the example IBAN of every
+    # IBAN guide, the German invoice's standard payment term, Spanish for "all the files in the
+    # folder", and a release manager's "before the release branch is cut".
     boilerplate = ("DE89 3704 0044 0532 0130 00", "Zahlbar innerhalb von 14 Tagen ohne Abzug",
-                   "todos los archivos de la carpeta")
+                   "todos los archivos de la carpeta", "before the release branch is cut")
     held_out = [json.loads(line)["text"] for path in sorted(WIDE.parent.glob("fresh_redteam_*.jsonl"))
                 for line in path.read_text().splitlines()]
     held_out_words = {w for text in held_out for w in _six_words(_without(text, boilerplate))}
