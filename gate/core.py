@@ -49,9 +49,7 @@ class Gate:
     def scan(self, data: bytes, *, content_type: str | None = None, tool: str | None = None) -> GateReport:
         """Never raises on input: any bytes (str is encoded as UTF-8) give a report."""
         t0 = time.perf_counter_ns()
-        if isinstance(data, str):
-            data = data.encode("utf-8", "surrogatepass")
-        doc = decode(bytes(data))
+        doc = _decoded(data)
         findings = _encoding_findings(doc)
         view = detection_view(doc)  # normalised text for detection; findings keep raw offsets
         secrets = self._secrets(doc, view)
@@ -73,9 +71,7 @@ class Gate:
         """Only the secret findings that `scan` reports for these bytes, without the injection
         layers (about half the work): for a caller that looks for credentials alone, such as the MCP
         guard's second look at a key cut across two parts."""
-        if isinstance(data, str):
-            data = data.encode("utf-8", "surrogatepass")
-        doc = decode(bytes(data))
+        doc = _decoded(data)
         return sorted(self._secrets(doc, detection_view(doc)), key=_reading_order)
 
     def _secrets(self, doc: Decoded, view: View) -> list[Finding]:
@@ -92,6 +88,11 @@ class Gate:
                     own: Sequence[GateReport] | None = None) -> tuple[GateReport, ...]:
         """Adjacent untrusted parts scored alone and joined (see gate/joined.py for the window)."""
         return scan_joined(self, parts, window=window, own=own)
+
+
+def _decoded(data: bytes | str) -> Decoded:
+    """Any bytes as `scan` takes them (a str as UTF-8, lone surrogates kept)."""
+    return decode(bytes(data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data))
 
 
 def _reading_order(f: Finding) -> tuple[int, int, str]:

@@ -171,15 +171,21 @@ def _cat(pairs: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.nda
     return np.concatenate([p[0] for p in pairs]), np.concatenate([p[1] for p in pairs])
 
 
-def cross_validate(sets: dict[str, FeatureSet], s: Setting) -> dict:
-    """Out-of-fold window-max logits of every wide row (benign: one per attack fold)."""
+def setting_matrices(sets: dict[str, FeatureSet], s: Setting) -> dict[str, list[np.ndarray]]:
+    """Every cached set's per-row window features for setting ``s`` (see ``matrices``)."""
+    prior = InjectionProbe.load(BASE_PROBE) if s.prior else None
+    return {n: matrices(fs, fs.layer_slice(s.layers), prior, s.span) for n, fs in sets.items()}
+
+
+def cross_validate(sets: dict[str, FeatureSet], s: Setting, mats: dict[str, list[np.ndarray]] | None = None) -> dict:
+    """Out-of-fold window-max logits of every wide row (benign: one per attack fold); ``mats``:
+    ``setting_matrices(sets, s)`` when the caller already has them."""
     wide = sets["wide"]
     missing = [n for n, want in s.trains_on.items() if want and n != "corpus" and n not in sets]
     if missing:
         raise SystemExit(f"{s} trains on {missing}, whose states are not cached: run "
                          f"`nice -n 10 python -m gate.train.probe_features --sets {' '.join(missing)}` first")
-    prior = InjectionProbe.load(BASE_PROBE) if s.prior else None
-    mats = {n: matrices(fs, fs.layer_slice(s.layers), prior, s.span) for n, fs in sets.items()}
+    mats = mats or setting_matrices(sets, s)
     hf = np.array([_fold(r["kind"], HOST_FOLDS) for r in wide.rows])
     af = np.array([_fold(r.get("attack"), ATTACK_FOLDS) for r in wide.rows])
     if (hf < 0).any():
@@ -389,10 +395,10 @@ def ship(sets: dict[str, FeatureSet], s: Setting, out: Path) -> dict:
 
     wide = sets["wide"]
     byte = byte_scores(wide.rows, "wide")
-    cv = cross_validate(sets, s)
+    mats = setting_matrices(sets, s)
+    cv = cross_validate(sets, s, mats)
     inst = expand(wide, cv["oof"], cv["host_fold"], byte)
     prior = InjectionProbe.load(BASE_PROBE) if s.prior else None
-    mats = {n: matrices(fs, fs.layer_slice(s.layers), prior, s.span) for n, fs in sets.items()}
     cal = calibration_instances(sets, mats, s, inst)
     a, c = fit_logistic(cal["z"][:, None], cal["y"], l2=1e-3)
     features = lambda z, b: np.stack([a * z + c, _lg(b)], axis=1)  # noqa: E731
