@@ -43,7 +43,7 @@ test_clean_result_is_allowed if {
 test_injection_over_default_threshold_quarantines if {
 	d := decide(req("nobody", "web.fetch", {"injection": 0.98, "secret": 0, "findings": []}))
 	d.action == "quarantine"
-	d.reasons == ["injection_threshold: injection 0.98 >= 0.77"]
+	d.reasons == ["injection_threshold: injection 0.98 >= 0.76"]
 }
 
 test_byte_gate_scores_use_the_byte_gate_threshold if {
@@ -258,7 +258,7 @@ test_absent_channel_means_tool if {
 
 test_untrusted_channels_gate_injection if {
 	every channel in ["tool", "mcp", "tool_definition", "tool_call_arguments", "assistant"] {
-		decide(on(channel, "web.fetch", injected)).reasons == ["injection_threshold: injection 0.98 >= 0.77"]
+		decide(on(channel, "web.fetch", injected)).reasons == ["injection_threshold: injection 0.98 >= 0.76"]
 	}
 }
 

@@ -32,7 +32,7 @@ import numpy as np
 from gate.evaluate import roc_auc
 from gate.probe import PROBE_PATH, InjectionProbe
 from gate.train.kind_eval import ece, fit_logistic
-from gate.train.probe_features import LAYERS, TRAINING_SETS, WINDOW, FeatureSet, load_all
+from gate.train.probe_features import LAYERS, REDTEAM_TRAIN, TRAINING_SETS, WINDOW, FeatureSet, load_all
 from gate.train.train_probe import BASE_PROBE_PATH as BASE_PROBE
 from gate.train.train_probe import CACHE_DIR, fit_logreg
 
@@ -62,18 +62,20 @@ class Setting:
     extra: bool = False  # train on the second round of contrast kinds (``contrast.extra_rows``) too
     third: bool = False  # and on the third (``contrast3.third_rows``: developer artifacts, other languages)
     fourth: bool = False  # and on the fourth (``contrast4.fourth_rows``: text about AI, forms, foreign business documents)
-    redteam: bool = False  # and on the red-team sets already used as judges (``probe_features.REDTEAM_TRAIN``)
+    redteam: tuple[str, ...] = ()  # and on these red-team sets (files of ``probe_features.REDTEAM_TRAIN``)
     span: int = 1  # read-out windows of ``span * WINDOW`` tokens (stride ``WINDOW // 2``), averaged from the cache
     rounds: int = 1  # multiple-instance rounds: later ones re-pick the positive windows by the previous fit
     # Platt, stack and policy threshold fitted on the red-team sets' out-of-set scores too (``redteam_out_of_set``),
     # not on the wide set's out-of-fold scores alone (its generated and package hosts calibrate it for those only)
     calibrate_redteam: bool = False
+    # the FPR of the calibration scores at which the policy threshold sits (the issue's bound is 2%)
+    policy_fpr: float = TARGET_FPR
 
     @property
     def trains_on(self) -> dict[str, bool]:
         """Which cached sets besides the wide set this setting trains on (the corpus whenever cached)."""
         return {"corpus": True, "contrast": self.contrast, "contrast-extra": self.extra, "contrast-third": self.third,
-                "contrast-fourth": self.fourth, "redteam": self.redteam}
+                "contrast-fourth": self.fourth, "redteam": bool(self.redteam)}
 
     @property
     def window(self) -> int:
@@ -169,6 +171,20 @@ def fit(sets: dict[str, FeatureSet], mats: dict[str, list[np.ndarray]], wide_idx
 
 def _cat(pairs: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate([p[0] for p in pairs]), np.concatenate([p[1] for p in pairs])
+
+
+def for_setting(sets: dict[str, FeatureSet], s: Setting) -> dict[str, FeatureSet]:
+    """``sets`` with the red-team set cut to the files ``s`` trains on (the cache holds every file
+    of ``REDTEAM_TRAIN``: a setting recorded with fewer files stays reproducible)."""
+    if "redteam" not in sets:
+        return sets
+    red = sets["redteam"]
+    missing = sorted(set(s.redteam) - {r["set"] for r in red.rows})
+    if missing:
+        raise SystemExit(f"{s} trains on red-team files {missing} whose states are not cached: add them to "
+                         "probe_features.REDTEAM_TRAIN and run `nice -n 10 python -m gate.train.probe_features --sets redteam`")
+    keep = [i for i, r in enumerate(red.rows) if r["set"] in s.redteam]
+    return {**sets, "redteam": FeatureSet([red.rows[i] for i in keep], [red.feats[i] for i in keep])}
 
 
 def setting_matrices(sets: dict[str, FeatureSet], s: Setting) -> dict[str, list[np.ndarray]]:
@@ -342,9 +358,15 @@ SETTINGS = [
     # fourth round: text about AI assistants, forms and manuals, business documents in other languages
     Setting(LAYERS, 1e-1, 2, True, extra=True, third=True, fourth=True),
     # and the hand-written red-team sets s4-s6 (judged on a set written after them)
-    Setting(LAYERS, 1e-1, 2, True, extra=True, third=True, fourth=True, redteam=True),
-    # calibrated on the red-team sets' out-of-set scores as well (judged on a set written after them)
-    Setting(LAYERS, 1e-1, 2, True, extra=True, third=True, fourth=True, redteam=True, calibrate_redteam=True),
+    Setting(LAYERS, 1e-1, 2, True, extra=True, third=True, fourth=True, redteam=REDTEAM_TRAIN[:3]),
+    # s4-s8, calibrated on the red-team sets' out-of-set scores as well (judged on s9)
+    Setting(LAYERS, 1e-1, 2, True, extra=True, third=True, fourth=True, redteam=REDTEAM_TRAIN[:5], calibrate_redteam=True),
+    # s9 and three training sets written for it with marked injections (t1-t3, 60 genres; judged on s10)
+    Setting(LAYERS, 1e-1, 2, True, extra=True, third=True, fourth=True, redteam=REDTEAM_TRAIN[:9], calibrate_redteam=True),
+    # it missed recall at its 1%-FPR threshold on s10 (0.450 vs 0.488) though 0.66 vs 0.40 at 1% FPR: s10 too,
+    # and the policy threshold at the calibration scores' 2%-FPR point, the issue's bound (judged on s11)
+    Setting(LAYERS, 1e-1, 2, True, extra=True, third=True, fourth=True, redteam=REDTEAM_TRAIN[:10], calibrate_redteam=True,
+            policy_fpr=0.02),
 ]
 
 
@@ -353,7 +375,7 @@ def run_cv(sets, settings) -> list[dict]:
     byte = byte_scores(wide.rows, "wide")
     out = []
     for s in settings:
-        cv = cross_validate(sets, s)
+        cv = cross_validate(for_setting(sets, s), s)
         inst = expand(wide, cv["oof"], cv["host_fold"], byte)
         entry = {"setting": s.__dict__ | {"layers": list(s.layers)}}
         for name, wb in (("probe", False), ("stack", True)):
@@ -393,6 +415,7 @@ def ship(sets: dict[str, FeatureSet], s: Setting, out: Path) -> dict:
     (with ``calibrate_redteam``, and the red-team sets' out-of-set scores)."""
     from gate.train.train_probe import model_identity
 
+    sets = for_setting(sets, s)
     wide = sets["wide"]
     byte = byte_scores(wide.rows, "wide")
     mats = setting_matrices(sets, s)
@@ -404,7 +427,7 @@ def ship(sets: dict[str, FeatureSet], s: Setting, out: Path) -> dict:
     features = lambda z, b: np.stack([a * z + c, _lg(b)], axis=1)  # noqa: E731
     st = fit_logistic(features(cal["z"], cal["byte"]), cal["y"], l2=1e-3)
     stacked = lambda z, b: 1 / (1 + np.exp(-(features(z, b) @ st[:-1] + st[-1])))  # noqa: E731
-    threshold = weighted_threshold(stacked(cal["z"], cal["byte"]), cal["y"], cal["w"], TARGET_FPR)
+    threshold = weighted_threshold(stacked(cal["z"], cal["byte"]), cal["y"], cal["w"], s.policy_fpr)
     folds, probe_folds = score_folds(inst, True), score_folds(inst, False)
     layers, w, bias = fold_prior(fit(sets, mats, np.arange(len(wide.rows)), s), s.layers, prior)
     wide_stacked = stacked(inst["z"], inst["byte"])
@@ -412,8 +435,8 @@ def ship(sets: dict[str, FeatureSet], s: Setting, out: Path) -> dict:
             "platt": [float(a), float(c)], "model_identity": model_identity(), "plan": "leave-kinds-out",
             "setting": s.__dict__ | {"layers": list(s.layers)}, "base_probe": BASE_PROBE.name,
             "stack": {"coef": [float(st[0]), float(st[1])], "intercept": float(st[2])},
-            "policy_threshold": {"value": round(threshold, 4), "target_fpr": TARGET_FPR,
-                                 "how": "the weighted 1%-FPR point of the pooled out-of-fold stack scores"
+            "policy_threshold": {"value": round(threshold, 4), "target_fpr": s.policy_fpr,
+                                 "how": f"the weighted {s.policy_fpr:.0%}-FPR point of the pooled out-of-fold stack scores"
                                         + (" and the red-team sets' out-of-set scores" if s.calibrate_redteam else "")},
             "host_folds": [sorted(f) for f in HOST_FOLDS], "attack_folds": [sorted(f) for f in ATTACK_FOLDS],
             "trained_on": {k: len(v.rows) for k, v in sets.items()},

@@ -35,8 +35,11 @@ CHUNK = 25
 WIDE = Path(__file__).resolve().parents[1] / "data" / "kinds_wide.jsonl"
 # Hand-written red-team sets that may be trained on (``redteam_rows``): sets already used to judge
 # a shipped probe. A set not listed here stays held out.
+# Append only: a row's random chat prefix depends on the rows before it. ``redteam_train_t*``: sets
+# written for training only, their injected passages marked.
 REDTEAM_TRAIN = ("fresh_redteam_s4.jsonl", "fresh_redteam_s5.jsonl", "fresh_redteam_s6.jsonl", "fresh_redteam_s7.jsonl",
-                 "fresh_redteam_s8.jsonl")
+                 "fresh_redteam_s8.jsonl", "fresh_redteam_s9.jsonl", "redteam_train_t1.jsonl", "redteam_train_t2.jsonl",
+                 "redteam_train_t3.jsonl", "fresh_redteam_s10.jsonl")
 # The sets a probe setting may train on besides the wide set and the corpus (``load_all``'s names).
 TRAINING_SETS = ("contrast", "contrast-extra", "contrast-third", "contrast-fourth", "redteam")
 
@@ -144,22 +147,30 @@ def contrast_rows(tok, round_: int = 1) -> list[dict]:
     r = random.Random(SEED + 14 + round_)
     out = []
     for row in {1: contrast.rows, 2: contrast.extra_rows, 3: contrast3.third_rows, 4: contrast4.fourth_rows}[round_]():
-        text = _truncate(tok, row["text"])
-        span = _token_span(tok, text, row["span"]) if "span" in row else None
-        out.append({**row, "text": text, "prefix": r.randrange(len(PREFIXES)), **({"tokens": span} if span else {})})
+        out.append(_spanned(tok, row, row.get("span")) | {"prefix": r.randrange(len(PREFIXES))})
     return out
 
 
+def _spanned(tok, row: dict, span: list[int] | None) -> dict:
+    """``row`` truncated to ``MAX_TOKENS``, with ``tokens``, the token span of its injection's
+    characters ``span`` when it has one ([0, 0] when the truncation cut the injection off: the text
+    the model reads is then clean, every window a negative); without one, multiple-instance."""
+    text = _truncate(tok, row["text"])
+    return {**row, "text": text, **({"tokens": _token_span(tok, text, span)} if span else {})}
+
+
 def redteam_rows(tok) -> list[dict]:
-    """The red-team sets of ``REDTEAM_TRAIN`` (injected rows have no span: multiple-instance, as
-    the wide set's), each row prefixed at random and truncated as the other sets."""
+    """The red-team sets of ``REDTEAM_TRAIN``, each row prefixed at random and truncated as the
+    other sets. An injected row that names its ``injected`` passage gets that passage's token span;
+    one that does not (s4-s9) is multiple-instance, as the wide set's."""
     r = random.Random(SEED + 20)
     out = []
     for name in REDTEAM_TRAIN:
         for line in (WIDE.parent / name).read_text(encoding="utf-8").splitlines():
             row = json.loads(line)
-            out.append({**row, "kind": "redteam:" + row["kind"], "text": _truncate(tok, row["text"]),
-                        "prefix": r.randrange(len(PREFIXES)), "set": name})
+            at = row["text"].find(row["injected"]) if "injected" in row else -1
+            span = [at, at + len(row["injected"])] if at >= 0 else None
+            out.append(_spanned(tok, row, span) | {"kind": "redteam:" + row["kind"], "prefix": r.randrange(len(PREFIXES)), "set": name})
     return out
 
 
@@ -194,12 +205,20 @@ def load_all(threads: int = 2, bipia: Path | None = None, cache_dir: Path = CACH
     make_ex = lambda: Extractor(layers=LAYERS, threads=threads)  # noqa: E731
     sets = {"wide": lambda: wide_rows(tok), "contrast": lambda: contrast_rows(tok),
             "contrast-extra": lambda: contrast_rows(tok, 2), "contrast-third": lambda: contrast_rows(tok, 3),
-            "contrast-fourth": lambda: contrast_rows(tok, 4), "redteam": lambda: redteam_rows(tok),
-            "corpus": lambda: corpus_rows(tok, bipia or BIPIA_DIR)}
-    if extract:
-        return {name: extract_set(name, sets[name](), make_ex, cache_dir) for name in names}
-    found = {name: cached_set(name, sets[name](), cache_dir) for name in names}
+            "contrast-fourth": lambda: contrast_rows(tok, 4), "corpus": lambda: corpus_rows(tok, bipia or BIPIA_DIR)}
+    load = (lambda name, rows: extract_set(name, rows, make_ex, cache_dir)) if extract else \
+        (lambda name, rows: cached_set(name, rows, cache_dir))
+    found = {name: load(name, sets[name]()) if name != "redteam" else _per_file(redteam_rows(tok), load)
+             for name in names}
     return {k: v for k, v in found.items() if v is not None}
+
+
+def _per_file(rows: list[dict], load) -> FeatureSet | None:
+    """The red-team set cached file by file (``redteam-<file>``), so a file added to ``REDTEAM_TRAIN``
+    costs only its own rows' states; what is cached of each, concatenated."""
+    parts = [load(f"redteam-{name}", [r for r in rows if r["set"] == name]) for name in REDTEAM_TRAIN]
+    parts = [p for p in parts if p is not None]
+    return FeatureSet([r for p in parts for r in p.rows], [f for p in parts for f in p.feats]) if parts else None
 
 
 def main(argv: list[str] | None = None) -> None:

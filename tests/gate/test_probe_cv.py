@@ -71,7 +71,7 @@ def test_every_red_team_calibration_score_comes_from_a_model_that_never_saw_its_
     red = [{"text": f"row {k}", "label": ("benign", "injection")[k % 2], "kind": "redteam:x", "set": f"s{k % 3}"}
            for k in range(12)]
     sets = {"wide": _fake_set(wide), "redteam": _fake_set(red, seed=1)}
-    s = probe_cv.Setting((12,), 1.0, 1, False, False, redteam=True, calibrate_redteam=True)
+    s = probe_cv.Setting((12,), 1.0, 1, False, False, redteam=("s0", "s1", "s2"), calibrate_redteam=True)
     mats = {n: probe_cv.matrices(fs, fs.layer_slice(s.layers), None) for n, fs in sets.items()}
     z = probe_cv.redteam_out_of_set(sets, mats, s)
     assert [sorted(sets_seen) for sets_seen in seen] == [["s1", "s2"], ["s0", "s2"], ["s0", "s1"]]
@@ -184,8 +184,56 @@ def test_the_newest_red_team_set_stays_out_of_training_as_the_judge() -> None:
     from gate.train.probe_features import REDTEAM_TRAIN
 
     sets = sorted(p.name for p in WIDE.parent.glob("fresh_redteam_s*.jsonl"))
-    assert set(REDTEAM_TRAIN) < set(sets)
+    assert set(REDTEAM_TRAIN) - set(sets) == {p.name for p in WIDE.parent.glob("redteam_train_t*.jsonl")}
     assert max(sets, key=lambda name: int(name.removeprefix("fresh_redteam_s").removesuffix(".jsonl"))) not in REDTEAM_TRAIN
+
+
+def test_a_setting_trains_on_the_red_team_files_it_names_and_no_others() -> None:
+    red = [{"text": f"row {k}", "label": "benign", "kind": "redteam:x", "set": f"s{k % 3}"} for k in range(9)]
+    sets = {"wide": _fake_set(red[:1]), "redteam": _fake_set(red, seed=1)}
+    cut = probe_cv.for_setting(sets, probe_cv.Setting((12,), 1.0, 1, False, redteam=("s0", "s2")))
+    assert [r["set"] for r in cut["redteam"].rows] == ["s0", "s2"] * 3
+    assert all(f is sets["redteam"].feats[int(r["text"].split()[1])] for r, f in zip(cut["redteam"].rows, cut["redteam"].feats))
+    assert cut["wide"] is sets["wide"]
+    with pytest.raises(SystemExit, match=r"\['s7'\].*REDTEAM_TRAIN"):
+        probe_cv.for_setting(sets, probe_cv.Setting((12,), 1.0, 1, False, redteam=("s0", "s7")))
+
+
+def test_the_red_team_cache_is_per_file_so_a_new_file_costs_only_its_own_states() -> None:
+    from gate.train import probe_features
+
+    rows = [{"text": f"{name} {k}", "set": name} for name in reversed(probe_features.REDTEAM_TRAIN) for k in range(2)]
+    asked: list[tuple[str, list[str]]] = []
+
+    def load(name: str, part: list[dict]) -> FeatureSet | None:
+        asked.append((name, [r["text"] for r in part]))
+        return None if name.endswith(probe_features.REDTEAM_TRAIN[1]) else _fake_set(part)
+
+    got = probe_features._per_file(rows, load)
+    assert [n for n, _ in asked] == [f"redteam-{n}" for n in probe_features.REDTEAM_TRAIN]
+    assert all(texts == [f"{n.removeprefix('redteam-')} {k}" for k in range(2)] for n, texts in asked)
+    assert got is not None and [r["set"] for r in got.rows] == [n for n in probe_features.REDTEAM_TRAIN
+                                                                 if n != probe_features.REDTEAM_TRAIN[1] for _ in range(2)]
+    assert probe_features._per_file(rows, lambda name, part: None) is None
+
+
+def test_red_team_rows_that_mark_their_injection_label_exactly_its_tokens(real_model) -> None:
+    from gate.train import probe_features
+
+    tok = real_model.tokenizer
+    rows = probe_features.redteam_rows(tok)
+    marked = [r for r in rows if "injected" in r]
+    assert {r["set"] for r in marked} == {n for n in probe_features.REDTEAM_TRAIN if n.startswith("redteam_train_t")}
+    assert all(r["label"] == "injection" for r in marked)
+    assert not any("tokens" in r for r in rows if "injected" not in r)
+    for r in marked[::7]:
+        ids = tok(r["text"], add_special_tokens=False)["input_ids"]
+        a, b = r["tokens"]
+        if r["injected"] in r["text"]:  # the token span decodes to the passage (tokens may start mid-word)
+            assert a < b and r["injected"].strip()[:20] in tok.decode(ids[a:b])
+            assert r["injected"].strip()[-20:] in tok.decode(ids[a:b])
+        else:  # cut by the truncation: what is left runs to the end, or nothing is (every window a negative)
+            assert (a, b) == (0, 0) or (a < b == len(ids))
 
 
 def test_widened_windows_are_the_means_of_the_longer_windows() -> None:
@@ -207,10 +255,11 @@ def test_a_setting_refuses_to_run_without_the_contrast_states_it_trains_on(wide_
         probe_cv.cross_validate({"wide": _fake_set(rows)}, probe_cv.Setting((12,), 1.0, 1, False, False, extra=True))
 
 
-def test_the_policy_default_is_the_shipped_probes_cross_validated_1pct_fpr_point() -> None:
+def test_the_policy_default_is_the_shipped_probes_calibrated_point_within_the_issues_fpr_bound() -> None:
     meta = InjectionProbe.load().meta
     defaults = json.loads((WIDE.parents[2] / "policies" / "data" / "defaults.json").read_text())
     assert defaults["lethe"]["defaults"]["thresholds"]["injection"] == round(meta["policy_threshold"]["value"], 2)
+    assert meta["policy_threshold"]["target_fpr"] <= 0.02 and meta["setting"]["policy_fpr"] == meta["policy_threshold"]["target_fpr"]
     cv = meta["cross_validated"]
     assert cv["recall_at_1pct_fpr"] >= 0.80
     assert cv["at_training_fold_threshold"]["fpr"] <= 0.02 and cv["at_training_fold_threshold"]["recall"] >= 0.70

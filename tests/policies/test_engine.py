@@ -63,8 +63,8 @@ def engine():
 
 def test_shipped_bundle_answers_the_four_questions(engine):
     d = engine.decide(decision_input(gate={"injection": 0.98, "secret": 0.0, "findings": []}))
-    assert d == Decision("quarantine", ("injection_threshold: injection 0.98 >= 0.77",), engine.bundle_hash)
-    assert d.to_dict() == {"action": "quarantine", "reasons": ["injection_threshold: injection 0.98 >= 0.77"], "bundle_hash": engine.bundle_hash}
+    assert d == Decision("quarantine", ("injection_threshold: injection 0.98 >= 0.76",), engine.bundle_hash)
+    assert d.to_dict() == {"action": "quarantine", "reasons": ["injection_threshold: injection 0.98 >= 0.76"], "bundle_hash": engine.bundle_hash}
     redacted = engine.decide(decision_input(gate={"injection": 0.1, "secret": 0.99, "findings": []}))
     assert (redacted.action, redacted.redact_kinds) == ("redact", ("credential", "pii", "secret"))
     assert redacted.to_dict()["redact_kinds"] == ["credential", "pii", "secret"]
@@ -82,7 +82,7 @@ def test_shipped_bundle_answers_the_four_questions(engine):
 
 
 def test_ad_hoc_rule_paths_run_on_the_interpreter(engine):
-    assert engine.evaluate("lethe/tenant_settings", {"tenant": "nobody"})["thresholds"]["injection"] == 0.77
+    assert engine.evaluate("lethe/tenant_settings", {"tenant": "nobody"})["thresholds"]["injection"] == 0.76
     with pytest.raises(PolicyError, match="must look like"):
         engine.evaluate("lethe/../etc", {})
 
