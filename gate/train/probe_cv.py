@@ -367,6 +367,11 @@ SETTINGS = [
     # and the policy threshold at the calibration scores' 2%-FPR point, the issue's bound (judged on s11)
     Setting(LAYERS, 1e-1, 2, True, extra=True, third=True, fourth=True, redteam=REDTEAM_TRAIN[:10], calibrate_redteam=True,
             policy_fpr=0.02),
+    # s11 and four more training sets (t4-t7: public sector and science, industry, media and personal life,
+    # agent tools' own replies with a third of the rows short; judged on s12): its rule held there (0.912 vs 0.825
+    # at 1% FPR) but its wide-set CV fell to 0.753, below the suite's standing bound of 0.80: not shipped
+    Setting(LAYERS, 1e-1, 2, True, extra=True, third=True, fourth=True, redteam=REDTEAM_TRAIN[:15], calibrate_redteam=True,
+            policy_fpr=0.02),
 ]
 
 
