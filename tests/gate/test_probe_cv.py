@@ -154,9 +154,10 @@ def test_later_round_rows_mark_their_instruction_and_share_no_six_words_with_the
     # Public boilerplate both sides wrote from common usage, not from each other (sets s6, s8 and s9
     # were written after these templates, by writers who never saw them): the example IBAN of every
     # IBAN guide, the German invoice's standard payment term, Spanish for "all the files in the
-    # folder", and a release manager's "before the release branch is cut".
+    # folder", a release manager's "before the release branch is cut", and Spanish for "if you are a
+    # model" (s13, written in session 9, four sessions after round 3's templates).
     boilerplate = ("DE89 3704 0044 0532 0130 00", "Zahlbar innerhalb von 14 Tagen ohne Abzug",
-                   "todos los archivos de la carpeta", "before the release branch is cut")
+                   "todos los archivos de la carpeta", "before the release branch is cut", "Si eres un modelo de")
     held_out = [json.loads(line)["text"] for path in sorted(WIDE.parent.glob("fresh_redteam_*.jsonl"))
                 for line in path.read_text().splitlines()]
     held_out_words = {w for text in held_out for w in _six_words(_without(text, boilerplate))}
