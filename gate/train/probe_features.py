@@ -33,10 +33,10 @@ WINDOW = 16
 MAX_TOKENS = 512
 CHUNK = 25
 WIDE = Path(__file__).resolve().parents[1] / "data" / "kinds_wide.jsonl"
-# Hand-written red-team sets that may be trained on (``redteam_rows``): sets already used to judge
-# a shipped probe. A set not listed here stays held out.
-# Append only: a row's random chat prefix depends on the rows before it. ``redteam_train_t*``: sets
-# written for training only, their injected passages marked.
+# Hand-written red-team sets that may be trained on (``redteam_rows``): ``fresh_redteam_s*``, sets
+# already used to judge a shipped probe (a set not listed here stays held out), and
+# ``redteam_train_t*``, sets written for training only. Append only: a row's random chat prefix
+# depends on the rows before it.
 REDTEAM_TRAIN = ("fresh_redteam_s4.jsonl", "fresh_redteam_s5.jsonl", "fresh_redteam_s6.jsonl", "fresh_redteam_s7.jsonl",
                  "fresh_redteam_s8.jsonl", "fresh_redteam_s9.jsonl", "redteam_train_t1.jsonl", "redteam_train_t2.jsonl",
                  "redteam_train_t3.jsonl", "fresh_redteam_s10.jsonl", "fresh_redteam_s11.jsonl", "redteam_train_t7.jsonl",
@@ -163,7 +163,7 @@ def _spanned(tok, row: dict, span: list[int] | None) -> dict:
 def redteam_rows(tok) -> list[dict]:
     """The red-team sets of ``REDTEAM_TRAIN``, each row prefixed at random and truncated as the
     other sets. An injected row that names its ``injected`` passage gets that passage's token span;
-    one that does not (s4-s9) is multiple-instance, as the wide set's."""
+    one that does not (s4-s10) is multiple-instance, as the wide set's."""
     r = random.Random(SEED + 20)
     out = []
     for name in REDTEAM_TRAIN:
