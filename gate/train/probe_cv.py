@@ -70,6 +70,8 @@ class Setting:
     calibrate_redteam: bool = False
     # the FPR of the calibration scores at which the policy threshold sits (the issue's bound is 2%)
     policy_fpr: float = TARGET_FPR
+    # each red-team window's weight in the fit relative to the other sets' (1: all alike)
+    redteam_weight: float = 1.0
 
     @property
     def trains_on(self) -> dict[str, bool]:
@@ -155,18 +157,27 @@ def fit(sets: dict[str, FeatureSet], mats: dict[str, list[np.ndarray]], wide_idx
     # rows without spans (the red-team sets) take their top windows by the base probe, as wide rows do
     labelled = [window_set(sets[n], mats[n], np.arange(len(sets[n].rows)), [m[:, -1] for m in mats[n]] if s.prior else None,
                            s.mil_top, s.window) for n in names]
+    shares = [s.redteam_weight if n == "redteam" else 1.0 for n in names] + [1.0]  # the wide rows' last
     wide, wm = sets["wide"], mats["wide"]
     if s.prior:
         lookup: Logits = [m[:, -1] for m in wm]
     else:
         benign = np.array([i for i in wide_idx if wide.rows[i]["label"] != "injection"], dtype=int)
-        lookup = window_logits(wm, range(len(wm)), fit_logreg(*_cat(labelled + [window_set(wide, wm, benign, None, 0, s.window)]), s.l2))
+        lookup = window_logits(wm, range(len(wm)), _fit(labelled + [window_set(wide, wm, benign, None, 0, s.window)], shares, s.l2))
     idx = np.asarray(wide_idx, dtype=int)
-    fitted = fit_logreg(*_cat(labelled + [window_set(wide, wm, idx, lookup, s.mil_top, s.window)]), s.l2)
+    fitted = _fit(labelled + [window_set(wide, wm, idx, lookup, s.mil_top, s.window)], shares, s.l2)
     for _ in range(s.rounds - 1):  # re-pick each unlabelled injected row's positive windows by this fit
         lookup = dict(zip(idx, window_logits(wm, idx, fitted)))
-        fitted = fit_logreg(*_cat(labelled + [window_set(wide, wm, idx, lookup, s.mil_top, s.window)]), s.l2)
+        fitted = _fit(labelled + [window_set(wide, wm, idx, lookup, s.mil_top, s.window)], shares, s.l2)
     return fitted
+
+
+def _fit(pairs: list[tuple[np.ndarray, np.ndarray]], shares: list[float], l2: float):
+    """``fit_logreg`` on the sets' windows together, each set's windows weighted by its share."""
+    x, y = _cat(pairs)
+    if all(w == 1.0 for w in shares):
+        return fit_logreg(x, y, l2)
+    return fit_logreg(x, y, l2, np.concatenate([np.full(len(p[1]), w) for p, w in zip(pairs, shares)]))
 
 
 def _cat(pairs: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
@@ -372,6 +383,11 @@ SETTINGS = [
     # at 1% FPR) but its wide-set CV fell to 0.753, below the suite's standing bound of 0.80: not shipped
     Setting(LAYERS, 1e-1, 2, True, extra=True, third=True, fourth=True, redteam=REDTEAM_TRAIN[:15], calibrate_redteam=True,
             policy_fpr=0.02),
+    # the red-team windows (127k of 24's 175k) outweighed the rest: 24's data with them weighted 0.5 cross-validates
+    # at 0.786 on the wide set, at 0.25 at 0.804 (session 10); s12 and s13 too, weighted 0.2 (the red-team share of
+    # the 0.25 run, a little under), fixed before the judge s14 was scored
+    Setting(LAYERS, 1e-1, 2, True, extra=True, third=True, fourth=True, redteam=REDTEAM_TRAIN[:17], calibrate_redteam=True,
+            policy_fpr=0.02, redteam_weight=0.2),
 ]
 
 

@@ -302,14 +302,18 @@ def _starts(n: int, window: int, stride: int) -> list[int]:
     return starts if starts[-1] == n - window else starts + [n - window]
 
 
-def fit_logreg(x: np.ndarray, y: np.ndarray, l2: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
-    """Class-balanced L2 logistic regression on standardised features (L-BFGS in torch)."""
+def fit_logreg(x: np.ndarray, y: np.ndarray, l2: float,
+               weight: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """Class-balanced L2 logistic regression on standardised features (L-BFGS in torch); ``weight``
+    scales each row's share within its class (the classes keep equal total weight)."""
     import torch
 
     mean, scale = x.mean(0), x.std(0) + 1e-6
     xt = torch.tensor((x - mean) / scale, dtype=torch.float64)
     yt = torch.tensor(y, dtype=torch.float64)
-    sw = torch.where(yt == 1, (yt == 0).sum() / yt.sum().clamp(min=1), torch.tensor(1.0, dtype=torch.float64))
+    rw = torch.ones_like(yt) if weight is None else torch.tensor(weight, dtype=torch.float64)
+    pos, neg = (rw * (yt == 1)).sum(), (rw * (yt == 0)).sum()
+    sw = rw * torch.where(yt == 1, neg / pos.clamp(min=1e-12), torch.tensor(1.0, dtype=torch.float64))
     sw = sw / sw.mean()
     w = torch.zeros(x.shape[1], dtype=torch.float64, requires_grad=True)
     b = torch.zeros((), dtype=torch.float64, requires_grad=True)

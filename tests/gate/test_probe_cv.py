@@ -155,9 +155,11 @@ def test_later_round_rows_mark_their_instruction_and_share_no_six_words_with_the
     # were written after these templates, by writers who never saw them): the example IBAN of every
     # IBAN guide, the German invoice's standard payment term, Spanish for "all the files in the
     # folder", a release manager's "before the release branch is cut", and Spanish for "if you are a
-    # model" (s13, written in session 9, four sessions after round 3's templates).
+    # model" (s13, written in session 9, four sessions after round 3's templates), and a Spanish
+    # invoice's "payment method: bank transfer" line (s14, session 10).
     boilerplate = ("DE89 3704 0044 0532 0130 00", "Zahlbar innerhalb von 14 Tagen ohne Abzug",
-                   "todos los archivos de la carpeta", "before the release branch is cut", "Si eres un modelo de")
+                   "todos los archivos de la carpeta", "before the release branch is cut", "Si eres un modelo de",
+                   "Forma de pago: transferencia")
     held_out = [json.loads(line)["text"] for path in sorted(WIDE.parent.glob("fresh_redteam_*.jsonl"))
                 for line in path.read_text().splitlines()]
     held_out_words = {w for text in held_out for w in _six_words(_without(text, boilerplate))}
@@ -278,3 +280,23 @@ def test_the_gate_bench_reports_the_shipped_probes_cross_validated_figures_which
     assert got["recall_at_1pct_fpr"] >= 0.80
     held = got["at_training_fold_threshold"]
     assert held["fpr"] <= 0.02 and held["recall"] >= 0.70
+
+
+def test_a_sets_share_weights_its_windows_and_leaves_the_unweighted_fit_bit_for_bit() -> None:
+    """`Setting.redteam_weight`: shares of 1 are the plain fit exactly; a smaller share for a set
+    that contradicts the other moves the fit towards the other's labels."""
+    from gate.train.train_probe import fit_logreg
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((400, 6)).astype(np.float32)
+    truth = (x[:, 0] > 0).astype(float)
+    ours, theirs = (x[:200], truth[:200]), (x[200:], 1.0 - truth[200:])  # the second set says the opposite
+    plain = fit_logreg(np.concatenate([ours[0], theirs[0]]), np.concatenate([ours[1], theirs[1]]), 0.1)
+    for got, want in zip(probe_cv._fit([ours, theirs], [1.0, 1.0], 0.1), plain):
+        np.testing.assert_array_equal(got, want)
+
+    def agreement(share: float) -> float:
+        mean, scale, coef, b = probe_cv._fit([ours, theirs], [1.0, share], 0.1)
+        return float((((((x - mean) / scale) @ coef + b) > 0) == truth).mean())
+    assert agreement(0.05) > agreement(0.5) > agreement(2.0)
+    assert agreement(0.05) > 0.9
