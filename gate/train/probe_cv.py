@@ -173,10 +173,9 @@ def fit(sets: dict[str, FeatureSet], mats: dict[str, list[np.ndarray]], wide_idx
 
 
 def _fit(pairs: list[tuple[np.ndarray, np.ndarray]], shares: list[float], l2: float):
-    """``fit_logreg`` on the sets' windows together, each set's windows weighted by its share."""
+    """``fit_logreg`` on the sets' windows together, each set's windows weighted by its share
+    (shares of 1 are ``fit_logreg``'s unweighted fit, value for value)."""
     x, y = _cat(pairs)
-    if all(w == 1.0 for w in shares):
-        return fit_logreg(x, y, l2)
     return fit_logreg(x, y, l2, np.concatenate([np.full(len(p[1]), w) for p, w in zip(pairs, shares)]))
 
 
