@@ -15,6 +15,7 @@ __all__ = [
     "Checkpoint",
     "ConsistencyProof",
     "InclusionProof",
+    "LogBusy",
     "RecordNotFound",
     "Signer",
     "VerifyReport",
@@ -25,6 +26,7 @@ __all__ = [
 
 _WHERE = {
     "AuditError": "errors",
+    "LogBusy": "errors",
     "RecordNotFound": "errors",
     "AuditLog": "log",
     "AuditRecord": "records",
@@ -39,7 +41,7 @@ _WHERE = {
 }
 
 if TYPE_CHECKING:
-    from .errors import AuditError, RecordNotFound
+    from .errors import AuditError, LogBusy, RecordNotFound
     from .keys import Signer
     from .log import AuditLog
     from .merkle import ConsistencyProof, InclusionProof

@@ -34,8 +34,9 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
 
-from .errors import AuditError
+from .errors import AuditError, LogBusy
 
 __all__ = ["checkpoints", "intents", "keys", "make_engine", "node_id", "nodes", "records", "write_transaction"]
 
@@ -107,6 +108,8 @@ intents = Table(
 )
 
 _WRITE = "lethe_audit_write"
+BUSY_TIMEOUT_MS = 60_000  # how long a SQLite writer waits for another's lock (`wait=True`)
+_SQLITE_BUSY = 5  # SQLite's primary result code for a lock held by another connection
 _PG_LOCK = int.from_bytes(hashlib.sha256(b"lethe audit append lock").digest()[:8], "big", signed=True)
 
 def _pk(table: str) -> str:
@@ -171,7 +174,7 @@ def _sqlite_engine(url: str) -> Engine:
     @event.listens_for(engine, "connect")
     def _connect(dbapi_conn: Any, _record: Any) -> None:
         dbapi_conn.isolation_level = None  # we emit BEGIN ourselves, below
-        for pragma in ("journal_mode=WAL", "synchronous=FULL", "busy_timeout=60000"):
+        for pragma in ("journal_mode=WAL", "synchronous=FULL", f"busy_timeout={BUSY_TIMEOUT_MS}"):
             dbapi_conn.execute(f"PRAGMA {pragma}")  # FULL: a commit has reached the disk
 
     @event.listens_for(engine, "begin")
@@ -197,11 +200,39 @@ def make_engine(url: str) -> Engine:
 
 
 @contextmanager
-def write_transaction(engine: Engine) -> Iterator[Connection]:
-    """A transaction holding the log's write lock; committed (durably) when the block exits."""
+def write_transaction(engine: Engine, wait: bool = True) -> Iterator[Connection]:
+    """A transaction holding the log's write lock; committed (durably) when the block exits.
+
+    With `wait=False` a lock held by another writer raises `LogBusy` at once, with nothing written,
+    where it would otherwise be waited for (up to `BUSY_TIMEOUT_MS` on SQLite, without bound on
+    PostgreSQL): for a caller that must not block, and has somewhere else to send the write.
+    """
+    sqlite = engine.dialect.name == "sqlite"
     with engine.connect() as conn:
         conn.execution_options(**{_WRITE: True})
-        with conn.begin():
-            if engine.dialect.name == "postgresql":
-                conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _PG_LOCK})
-            yield conn
+        if sqlite and not wait:
+            _busy_timeout(conn, 0)
+        try:
+            with conn.begin():
+                if not sqlite:
+                    _pg_lock(conn, wait)
+                yield conn
+        except OperationalError as exc:
+            if not wait and (getattr(exc.orig, "sqlite_errorcode", 0) & 0xFF) == _SQLITE_BUSY:
+                raise LogBusy("the audit log's write lock is held by another writer; nothing was written") from exc
+            raise
+        finally:
+            if sqlite and not wait:
+                _busy_timeout(conn, BUSY_TIMEOUT_MS)
+
+
+def _busy_timeout(conn: Connection, ms: int) -> None:
+    """Set on the driver's connection itself: a statement through SQLAlchemy would begin a transaction."""
+    conn.connection.driver_connection.execute(f"PRAGMA busy_timeout={int(ms)}")  # type: ignore[union-attr]
+
+
+def _pg_lock(conn: Connection, wait: bool) -> None:
+    if wait:
+        conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _PG_LOCK})
+    elif not conn.scalar(text("SELECT pg_try_advisory_xact_lock(:key)"), {"key": _PG_LOCK}):
+        raise LogBusy("the audit log's write lock is held by another writer; nothing was written")

@@ -113,16 +113,18 @@ class AuditLog:
         """The database this log lives in (password hidden): a store in the same one may share its commits."""
         return self._engine.url.render_as_string(hide_password=True)
 
-    def append_many(self, records: Sequence[dict], *, alongside: Callable[[Connection], None] | None = None) -> list[int]:
+    def append_many(self, records: Sequence[dict], *, alongside: Callable[[Connection], None] | None = None,
+                    wait: bool = True) -> list[int]:
         """Append records in one transaction (one fsync): the way to batch for throughput.
 
         `alongside` writes another store's rows on this transaction's connection (a store in the
         same `database`), so they and the records commit together or not at all: one durable
-        commit instead of two, and never one without the other.
+        commit instead of two, and never one without the other. With `wait=False`, a write lock
+        held by another writer raises `LogBusy` at once, and nothing (of either store) is written.
         """
         if not records:
             return []
-        with db.write_transaction(self._engine) as conn:
+        with db.write_transaction(self._engine, wait) as conn:
             if alongside is not None:
                 alongside(conn)
             now = datetime.now(timezone.utc)

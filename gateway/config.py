@@ -107,6 +107,9 @@ class Settings(BaseSettings):
     mcp_port: int = 8090
     mcp_call_timeout_s: float = 30.0
     mcp_commit_timeout_s: float = 30.0
+    mcp_inline_commit: bool = Field(default=True, description="`lethe mcp --http` on SQLite: commit a batch on the "
+                                    "event loop while the lock is free (the writer process takes it otherwise); "
+                                    "false: always the writer process (a disk whose fsync is slow)")
     mcp_connect_timeout_s: float = 20.0
     mcp_max_result_bytes: int = 1_000_000
 

@@ -209,9 +209,10 @@ def run_mcp_bench(clients: int = 8, calls: int = 50) -> dict[str, Any]:
         "one_client": _overheads(*runs[1], gate),
         "target_p50_ms": 5.0, "cpu_count": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 2),
         "note": "overhead_ms (the figure the target is about): the proxy's handler time less the time it awaited "
-                "the upstream and the gate's scans, as stamped in each result's _meta; it includes waiting for "
-                "the durable commit of the call's ledger crossing and audit records (commit_wait_ms, one group "
-                "commit shared by the calls waiting together) and, with concurrent clients, waiting for the "
+                "the upstream and the gate's scans, as stamped in each result's _meta; it includes the durable "
+                "commit of the call's ledger crossing and audit records (commit_wait_ms, from their submission: "
+                "on the proxy's event loop while the SQLite lock is free, else a group commit in its writer "
+                "process shared by the calls waiting together) and, with concurrent clients, waiting for the "
                 "proxy's one event loop and GIL while other calls' MCP transport work runs "
                 "(proxy_cpu_ms_per_call: the CPU per call of the proxy process and its commit writer process, "
                 "SDK server and client hops, auth, guard and commits). end_to_end_overhead_ms: proxied - direct - gate scans (p50), which adds "

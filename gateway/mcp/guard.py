@@ -99,6 +99,7 @@ class Pending:
     crossing_id: str
     about: dict[str, str]  # tenant, tool, phase, action: for the log lines
     committed: Future[int]
+    queued_at: float  # time.perf_counter() when its records were submitted: the commit wait runs from here
 
     def outcome(self, audit_index: int) -> Outcome:
         log.info("mcp.decision", **self.about, crossing=self.crossing_id, audit_index=audit_index)
@@ -306,6 +307,19 @@ def _redacted_result(result: types.CallToolResult, texts: list[str]) -> types.Ca
     return result.model_copy(update={"content": content, "structured_content": structured})
 
 
+def _without_meta(result: types.CallToolResult) -> types.CallToolResult:
+    """The result less every `_meta` the upstream set (on the result, a block, an embedded
+    resource): free-form JSON the gate does not read, so it is never passed on (a red team's
+    upstream sent a key pair and an injection there). The proxy's own `_meta` is added later."""
+    def bare(block: Any) -> Any:
+        resource = getattr(block, "resource", None)
+        update: dict[str, Any] = {"meta": None}
+        if resource is not None and getattr(resource, "meta", None) is not None:
+            update["resource"] = resource.model_copy(update={"meta": None})
+        return block.model_copy(update=update) if hasattr(block, "meta") else block
+    return result.model_copy(update={"meta": None, "content": [bare(b) for b in result.content]})
+
+
 def _non_text(result: types.CallToolResult, action: str) -> tuple[types.CallToolResult, list[str]]:
     """Pass or withhold each block the gate cannot read; returns what was there, by type."""
     kinds = [_describe(b) for b in result.content if _block_text(b) is None]
@@ -453,6 +467,7 @@ class Guard:
                       call_record: dict[str, Any] | None = None) -> Pending:
         """What the agent will be shown (`doc` is the result's `Document.of_result`), once the
         decision's records (queued here) are durable."""
+        result = _without_meta(result)
         if len(doc.data) > self.max_result_bytes:
             decision = Decision("quarantine", (f"result_size: {len(doc.data)} bytes of text > "
                                                f"{self.max_result_bytes} (LETHE_MCP_MAX_RESULT_BYTES)",),
@@ -510,7 +525,9 @@ class Guard:
         records = [{**r, "crossing": crossing.id} for r in ([call_record] if call_record else []) + [body]]
         about = {"tenant": call.tenant, "tool": call.tool, "phase": phase, "action": decision.action}
         result = shown(crossing.id) if callable(shown) else shown
-        return Pending(result, decision, crossing.id, about, self.recorder.submit(crossing, withhold, records))
+        queued_at = time.perf_counter()  # a commit on the loop (recorder.InlineFirst) is done when submit returns
+        return Pending(result, decision, crossing.id, about, self.recorder.submit(crossing, withhold, records),
+                       queued_at)
 
 
 def _definition(item: BaseModel) -> Document:

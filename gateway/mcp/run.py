@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import anyio
 
+from audit import AuditLog
 from gate import Gate
+from ledger import Ledger
 from policies import PolicyEngine
 
 from ..config import Settings
 from ..tenants import Principal, TenantStore
 from .guard import Guard
+from .recorder import InlineFirst, WriterLink, local_writer
 from .proxy import Proxy
 from .settings import McpSettings, UpstreamConfigError
 from .transport import http_app, serve_stdio
@@ -30,8 +33,18 @@ def build(settings: Settings, upstream_flags: list[str] | None = None,
     policy = PolicyEngine(s.policy_dir, backend=s.policy_backend, opa_url=s.opa_url, timeout_s=s.opa_timeout_s,
                           retries=s.opa_retries)
     guard = Guard(Gate(gitleaks_config=s.gitleaks_config), policy, ledger, audit, mcp.max_result_bytes,
-                  WriterProcess(s) if writer_process else None)
+                  writer_link(s, ledger, audit) if writer_process else None)
     return Proxy(mcp, guard, ledger), TenantStore.from_url(s.db_url, s.admin_key, cache_s=KEY_CACHE_S)
+
+
+def writer_link(settings: Settings, ledger: Ledger, audit: AuditLog) -> WriterLink:
+    """The writer process, with commits on the loop first where both stores share one local SQLite
+    file (recorder.InlineFirst: a network database would block the loop for a round trip)."""
+    process = WriterProcess(settings)
+    local = ledger.crossings.database == audit.database and audit.database.startswith("sqlite")
+    if settings.mcp_inline_commit and local:
+        return InlineFirst(local_writer(ledger, audit, wait=False), process)
+    return process
 
 
 def run_stdio(settings: Settings, flags: list[str], tenant: str, user: str | None, session: str | None) -> None:

@@ -9,6 +9,8 @@ take the upstream away for good. Nothing here looks at content: screening is gua
 """
 from __future__ import annotations
 
+import hashlib
+
 from collections.abc import Callable, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -29,6 +31,19 @@ log = structlog.get_logger(__name__)
 
 class UpstreamError(Exception):
     """An upstream failed; the message says which one, how, and what to check."""
+
+
+def withheld(exc: BaseException) -> str:
+    """An exception from an upstream link as the agent and the records may see it. Its text is the
+    upstream's own words (an error's message) or its reply's bytes quoted by a parser, none of it
+    screened (a red team's upstream put a key pair and an injection there, and both reached the
+    agent and the append-only audit log): only its type, its JSON-RPC code, and a digest of the
+    text to match against the upstream's own logs."""
+    text = str(exc).encode("utf-8", "replace")
+    code = getattr(getattr(exc, "error", None), "code", None)
+    coded = f" (code {code})" if isinstance(code, int) else ""
+    return (f"{type(exc).__name__}{coded}, its text withheld unscreened ({len(text)} bytes, "
+            f"sha256 {hashlib.sha256(text).hexdigest()[:16]})")
 
 
 @dataclass
@@ -101,7 +116,7 @@ class Upstreams:
                 raise UpstreamError(f"upstream {name!r} did not finish connecting within "
                                     f"{self._settings.connect_timeout_s:g}s (LETHE_MCP_CONNECT_TIMEOUT_S)") from exc
             except Exception as exc:
-                raise UpstreamError(f"upstream {name!r} could not be reached ({type(exc).__name__}: {exc}); "
+                raise UpstreamError(f"upstream {name!r} could not be reached ({withheld(exc)}); "
                                     "check its command or URL in the MCP settings") from exc
             self._links[name] = link
             return link
@@ -220,7 +235,7 @@ class Upstreams:
                                 "(LETHE_MCP_CALL_TIMEOUT_S)") from exc
         except Exception as exc:
             link.broken = True
-            raise UpstreamError(f"upstream {upstream!r} failed on {what}: {type(exc).__name__}: {exc}") from exc
+            raise UpstreamError(f"upstream {upstream!r} failed on {what}: {withheld(exc)}") from exc
         if not isinstance(result, expected):
             raise UpstreamError(f"upstream {upstream!r} answered {what} with {type(result).__name__}, "
                                 f"not a {expected.__name__}")
@@ -231,6 +246,6 @@ class Upstreams:
             listed = await link.client.list_tools()
         except Exception as exc:
             link.broken = True
-            raise UpstreamError(f"upstream {name!r} failed to list its tools: {type(exc).__name__}: {exc}") from exc
+            raise UpstreamError(f"upstream {name!r} failed to list its tools: {withheld(exc)}") from exc
         link.tools = {t.name: t for t in listed.tools}
         return link

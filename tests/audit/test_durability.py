@@ -112,3 +112,44 @@ def test_postgres_triggers_refuse_update_delete_truncate(pg_url, signer, record)
     engine.dispose()
     assert log.size == 4 and log.get(1).body["kind"] == "forget"
     log.close()
+
+
+def _held_elsewhere(url: str) -> tuple[sa.Engine, sa.Connection]:
+    """Another writer holding the log's write lock: BEGIN IMMEDIATE on SQLite, the advisory lock on PostgreSQL."""
+    from audit.db import _PG_LOCK
+
+    engine = sa.create_engine(url, isolation_level="AUTOCOMMIT")
+    conn = engine.connect()
+    if url.startswith("sqlite"):
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+    else:
+        conn.exec_driver_sql("BEGIN")
+        conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": _PG_LOCK})
+    return engine, conn
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_an_append_that_must_not_wait_finds_a_held_lock_busy_at_once_and_writes_nothing(
+        backend, request, signer, record, tmp_path):
+    """`wait=False` (the MCP proxy's commit on its event loop): a lock held by another writer is
+    LogBusy, raised before anything of the batch (or of the store written alongside) is written,
+    instead of a wait of up to a minute; once the lock is free the same call appends."""
+    from audit import LogBusy
+
+    url = request.getfixturevalue("sqlite_url" if backend == "sqlite" else "pg_url")
+    log = AuditLog(url, signer, batch_size=8)
+    log.append(record(0))
+    alongside: list[object] = []
+    engine, holder = _held_elsewhere(url)
+    try:
+        with pytest.raises(LogBusy, match="held by another writer"):
+            log.append_many([record(1)], alongside=alongside.append, wait=False)
+        assert alongside == [] and log.size == 1
+    finally:
+        holder.exec_driver_sql("ROLLBACK")
+        holder.close()
+        engine.dispose()
+    assert log.append_many([record(2)], alongside=alongside.append, wait=False) == [1]
+    assert len(alongside) == 1 and log.get(1).body["segment_id"] == "seg-2"
+    _check_log(log, url, tmp_path, signer)
+    log.close()

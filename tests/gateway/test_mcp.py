@@ -148,6 +148,8 @@ HTTP_ONLY: list[tuple[str, str, dict[str, Any]]] = [
     ("http_upstream_secret", "web__read_file", {"path": "credentials"}),
     ("hostile_junk", "bad__junk", {}),
     ("hostile_notjson", "bad__notjson", {}),
+    ("hostile_error_secret", "bad__error_secret", {}),
+    ("hostile_meta_secret", "bad__meta_secret", {}),
     ("poisoned_definition", "bad__notes", {}),
 ]
 
@@ -310,6 +312,33 @@ def test_http_upstream_is_screened_like_a_stdio_one(http_run: dict[str, Any]) ->
 def test_malformed_upstream_replies_become_mcp_errors(http_run: dict[str, Any], label: str) -> None:
     got = http_run[label]
     assert got.result is None and "upstream 'bad'" in got.error and got.seconds < 30
+
+
+def test_an_upstream_errors_text_reaches_neither_the_agent_nor_the_records(deployment: Deployment,
+                                                                         http_run: dict[str, Any]) -> None:
+    """The red team's upstream answered a JSON-RPC error carrying a key pair and an injection: the
+    agent is told the upstream failed, with the error's code and a digest, never its text; and
+    nothing of it is in the crossing or the append-only audit log."""
+    got = http_run["hostile_error_secret"]
+    assert got.result is None and "upstream 'bad' failed on 'error_secret': MCPError (code -32603)" in got.error
+    assert "its text withheld unscreened" in got.error
+    assert AWS_KEY not in got.error and AWS_SECRET not in got.error and "Ignore all previous" not in got.error
+    rows = [r for r in deployment.ledger().crossings.list("acme") if r.tool == "bad__error_secret"]
+    records = [r.body for r in deployment.audit().list(tenant="acme", limit=1000) if r.body.get("tool") == "bad__error_secret"]
+    assert rows and {b["kind"] for b in records} == {"mcp-call", "mcp-result"}
+    text = json.dumps([r.to_dict() for r in rows]) + json.dumps(records)
+    assert AWS_KEY not in text and AWS_SECRET not in text and "Ignore all previous" not in text
+
+
+def test_an_upstreams_meta_is_never_passed_on(http_run: dict[str, Any]) -> None:
+    """`_meta` is free-form JSON the gate does not read: the result's and its blocks' are dropped,
+    and only the proxy's own decision stamp is there."""
+    got = http_run["hostile_meta_secret"]
+    assert got.texts == ["all fine"]
+    assert got.result is not None  # the proxy's stamp, and the SDK's own server info (the proxy's)
+    assert set(got.result.meta or {}) - {"io.modelcontextprotocol/serverInfo"} == {"io.lethe/decision"}
+    dumped = got.result.model_dump_json(by_alias=True)
+    assert AWS_KEY not in dumped and AWS_SECRET not in dumped and "Ignore all previous" not in dumped
 
 
 def test_a_tool_with_a_poisoned_description_is_neither_listed_nor_callable(http_run: dict[str, Any]) -> None:

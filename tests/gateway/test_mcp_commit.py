@@ -28,7 +28,8 @@ from audit import AuditLog, verify_export
 from gate import Gate
 from gateway.config import Settings
 from gateway.mcp import Caller, Guard, McpSettings, Proxy, UpstreamSpec
-from gateway.mcp.recorder import LoopRecorder, RecorderStopped
+from gateway.mcp.recorder import InlineFirst, LoopRecorder, RecorderStopped, WriterLink, local_writer
+from gateway.mcp.run import writer_link
 from gateway.mcp.writer import WriterError, WriterProcess, stores
 from gateway.tenants import Principal
 from ledger import Crossing, CrossingLog, Ledger
@@ -41,20 +42,29 @@ FAIL_AUDIT = ("CREATE TRIGGER injected_failure BEFORE INSERT ON audit_records "
               "BEGIN SELECT RAISE(ABORT, 'injected: disk quota exceeded'); END")
 
 
-@pytest.fixture(params=["in-process", "writer-process"])
+@pytest.fixture(params=["in-process", "writer-process", "inline-first"])
 def writer(request: pytest.FixtureRequest) -> str:
-    """Commits in the proxy's own recorder thread (stdio), or in a writer process (`lethe mcp --http`)."""
+    """Commits in the proxy's own recorder thread (stdio), in a writer process, or on the event loop
+    while the lock is free and in the writer process otherwise (`lethe mcp --http`'s default)."""
     return str(request.param)
+
+
+def _link(deployment: Settings, ledger: Ledger, audit: AuditLog, writer: str) -> WriterLink | None:
+    if writer == "in-process":
+        return None
+    link = writer_link(deployment, ledger, audit)
+    assert isinstance(link, InlineFirst) == (writer == "inline-first")
+    return link
 
 
 def _stores(tmp: Path, writer: str) -> tuple[Proxy, Ledger, AuditLog, Path]:
     deployment = Settings(data_dir=tmp, audit_batch_size=8, database_url=None, audit_database_url=None,
-                          audit_key_path=None, audit_key_pem=None)
+                          audit_key_path=None, audit_key_pem=None, mcp_inline_commit=writer == "inline-first")
     ledger, audit = stores(deployment)
     settings = McpSettings(upstreams=[UpstreamSpec(name="fx", command=[sys.executable, str(FIXTURE)])],
                            call_timeout_s=20)
     guard = Guard(Gate(), PolicyEngine(), ledger, audit, settings.max_result_bytes,
-                  WriterProcess(deployment) if writer == "writer-process" else None)
+                  _link(deployment, ledger, audit, writer))
     assert guard.recorder.shared  # one database: the crossing and its records are one transaction
     return Proxy(settings, guard, ledger), ledger, audit, tmp / "lethe.db"
 
@@ -383,4 +393,120 @@ def test_under_a_storm_of_writer_kills_every_index_reported_is_its_own_entrys_an
         assert audit.get(index).body["n"] == n
         assert index + 1 == audit.size or audit.get(index + 1).body["n"] != n  # its last record
     assert audit.get(last).body["n"] == 1
+    _verifies(audit, tmp_path)
+
+
+def _inline_recorder(tmp: Path) -> tuple[LoopRecorder, InlineFirst, WriterProcess, AuditLog, Ledger, Path]:
+    settings = Settings(data_dir=tmp, database_url=None, audit_database_url=None, audit_key_path=None,
+                        audit_key_pem=None)
+    ledger, audit = stores(settings)
+    link = writer_link(settings, ledger, audit)
+    assert isinstance(link, InlineFirst)
+    process = link.fallback
+    assert isinstance(process, WriterProcess)
+    return LoopRecorder(ledger, audit, link), link, process, audit, ledger, tmp / "lethe.db"
+
+
+def test_with_the_lock_free_a_batch_is_durable_before_submit_returns_and_the_log_verifies(tmp_path: Path) -> None:
+    recorder, link, _, audit, ledger, _ = _inline_recorder(tmp_path)
+
+    async def go() -> list[int]:
+        async with recorder.running():
+            futures = [recorder.submit(*_entry(n)) for n in range(5)]
+            assert all(f.done() for f in futures)  # committed on the loop, inside submit: no hand-off
+            from_thread = await anyio.to_thread.run_sync(recorder.submit, *_entry(5))  # a guard thread's call
+            return [f.result() for f in futures] + [await asyncio.wrap_future(from_thread)]
+    indices = anyio.run(go)
+    assert link.inline == 6 and [audit.get(i).body["n"] for i in indices] == list(range(6))
+    assert len(ledger.crossings.list("acme")) == 6 == audit.size
+    _verifies(audit, tmp_path)
+
+
+def test_a_lock_held_elsewhere_never_blocks_the_loop_and_the_writer_process_commits_in_order_once_free(
+        tmp_path: Path) -> None:
+    """Another writer (the chat endpoint, a replica) holds the SQLite lock: the calls go to the
+    writer process, none is reported committed while the lock is held, and the loop keeps running
+    (were the inline commit to wait for the lock, it would block this very loop, which releases it).
+    Once free, they commit in the order sent; with the process idle again, commits return to the loop."""
+    recorder, link, _, audit, _, db = _inline_recorder(tmp_path)
+
+    async def go() -> tuple[list[int], int]:
+        async with recorder.running():
+            await asyncio.wrap_future(recorder.submit(*_entry(0)))
+            lock = sqlite3.connect(db, isolation_level=None)
+            lock.execute("BEGIN IMMEDIATE")
+            futures = []
+            for n in (1, 2, 3):
+                futures.append(recorder.submit(*_entry(n)))
+                await anyio.sleep(0.1)  # separate batches, each sent while the lock is held
+            assert not any(f.done() for f in futures) and link.inline == 1
+            lock.execute("ROLLBACK")
+            lock.close()
+            indices = [await asyncio.wrap_future(f) for f in futures]
+            after = recorder.submit(*_entry(4))
+            assert after.done()
+            return indices, after.result()
+    indices, last = anyio.run(go)
+    assert [audit.get(i).body["n"] for i in indices] == [1, 2, 3] and indices == sorted(indices)
+    assert link.inline == 2 and audit.get(last).body["n"] == 4 and audit.size == 5
+    _verifies(audit, tmp_path)
+
+
+def test_an_inline_commit_that_fails_fails_its_batch_at_once_and_records_nothing_of_it(tmp_path: Path) -> None:
+    recorder, link, _, audit, ledger, db = _inline_recorder(tmp_path)
+
+    async def go() -> tuple[BaseException | None, int]:
+        async with recorder.running():
+            await asyncio.wrap_future(recorder.submit(*_entry(0)))
+            with sqlite3.connect(db) as conn:
+                conn.execute(FAIL_AUDIT)
+            failed = recorder.submit(*_entry(1))
+            assert failed.done()
+            with sqlite3.connect(db) as conn:
+                conn.execute("DROP TRIGGER injected_failure")
+            return failed.exception(), await asyncio.wrap_future(recorder.submit(*_entry(2)))
+    failure, index = anyio.run(go)
+    assert type(failure).__name__ == "IntegrityError" and "injected: disk quota exceeded" in str(failure)
+    assert [audit.get(i).body["n"] for i in range(audit.size)] == [0, 2] and audit.get(index).body["n"] == 2
+    assert len(ledger.crossings.list("acme")) == 2 and link.inline == 2  # the failed batch's crossing rolled back too
+
+
+def test_commits_stay_off_the_loop_for_two_databases_or_when_turned_off(tmp_path: Path) -> None:
+    """Two databases are two transactions: a lock found busy at the second would leave the first
+    committed, so a writer that does not wait is refused there, and the proxy keeps the process."""
+    base = {"data_dir": tmp_path, "database_url": None, "audit_key_path": None, "audit_key_pem": None}
+    apart = Settings(**base, audit_database_url=f"sqlite:///{tmp_path / 'audit-apart.db'}")
+    ledger, audit = stores(apart)
+    with pytest.raises(ValueError, match="one database"):
+        local_writer(ledger, audit, wait=False)
+    assert isinstance(writer_link(apart, ledger, audit), WriterProcess)
+    off = Settings(**base, audit_database_url=None, mcp_inline_commit=False)
+    assert isinstance(writer_link(off, *stores(off)), WriterProcess)
+
+
+def test_a_commit_stalled_by_a_slow_disk_sends_the_next_batches_to_the_writer_process(tmp_path: Path) -> None:
+    """The red team's slow disk (an fsync delayed 20 s) froze the loop, and every agent, for each
+    commit. Injected here: a commit on the loop that takes longer than `STALL_S`. That batch is
+    committed; the next ones go to the writer process (where the commit timeout holds) for `BACKOFF_S`."""
+    settings = Settings(data_dir=tmp_path, database_url=None, audit_database_url=None, audit_key_path=None,
+                        audit_key_pem=None)
+    ledger, audit = stores(settings)
+    inline = local_writer(ledger, audit, wait=False)
+
+    def slow_disk(rows: Any, records: Any) -> list[int]:
+        indices = inline(rows, records)
+        time.sleep(InlineFirst.STALL_S * 2)
+        return indices
+    link = InlineFirst(slow_disk, WriterProcess(settings))
+    recorder = LoopRecorder(ledger, audit, link)
+
+    async def go() -> list[int]:
+        async with recorder.running():
+            stalled = recorder.submit(*_entry(0))
+            assert stalled.done()  # committed on the loop, slowly
+            later = [recorder.submit(*_entry(n)) for n in (1, 2)]
+            assert not any(f.done() for f in later)  # handed to the writer process
+            return [stalled.result()] + [await asyncio.wrap_future(f) for f in later]
+    indices = anyio.run(go)
+    assert link.inline == 1 and [audit.get(i).body["n"] for i in indices] == [0, 1, 2]
     _verifies(audit, tmp_path)
