@@ -12,7 +12,8 @@ and commits in a thread of its own.
 
 The wire: each message is a 4-byte big-endian length, then a pickle (the parent and its own
 child, nobody else, hold the socket pair): a batch `(rows, records)` one way; back, `("ready",
-None)` once the child has opened its stores, then for each batch, in the order sent, `("ok",
+None)` once the child has started (its stores open after, within the first batch's commit
+timeout), then for each batch, in the order sent, `("ok",
 indices)` or `("error", (kind, message))`. The proxy may send a batch before the one before it is
 answered (the child reads it as soon as it has answered that one). The oldest batch not answered
 within LETHE_MCP_COMMIT_TIMEOUT_S (from its send, from the answer before it, or from a new
@@ -37,7 +38,7 @@ from ..logging import configure_logging
 from .recorder import Rows, local_writer
 
 _LENGTH = struct.Struct("!I")
-STARTUP_S = 120.0  # a new writer's own start (imports, opening the stores), before its commit timeout runs
+STARTUP_S = 120.0  # a new writer's own start (its imports), before its commit timeout runs
 
 
 class WriterError(Exception):
@@ -78,9 +79,12 @@ def _serve(sock: socket.socket, settings: Settings) -> None:
     """The child: commit each batch the proxy sends, answer its indices or the error, until the socket closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the proxy's to handle; the socket's close ends us
     configure_logging(settings.log_level, settings.log_json)
-    write = local_writer(*stores(settings))
     sock.setblocking(True)
+    # Ready before the stores open: opening them takes the database's write lock, and a lock held
+    # elsewhere must be waited for within the first batch's commit timeout, not the start-up
+    # allowance (a red team's replacement writer, started under a 40 s lock, held its calls 36 s).
     sock.sendall(_frame(("ready", None)))  # the commit timeout runs from here, not from the spawn
+    write = local_writer(*stores(settings))
     while True:
         try:
             rows, records = pickle.loads(_read_exactly(sock, _LENGTH.unpack(_read_exactly(sock, 4))[0]))
@@ -108,7 +112,7 @@ class WriterProcess:
         self._outbox = bytearray()
         self._pending = 0  # batches sent and not yet answered (the oldest's deadline is armed)
         self._deadline: asyncio.TimerHandle | None = None
-        self._ready = False  # the child has opened its stores (its first message)
+        self._ready = False  # the child has started (its first message)
 
     def open(self, loop: asyncio.AbstractEventLoop, answered: Callable[[list[int] | Exception], None]) -> None:
         self._loop, self._answered = loop, answered

@@ -510,3 +510,27 @@ def test_a_commit_stalled_by_a_slow_disk_sends_the_next_batches_to_the_writer_pr
     indices = anyio.run(go)
     assert link.inline == 1 and [audit.get(i).body["n"] for i in indices] == [0, 1, 2]
     _verifies(audit, tmp_path)
+
+
+def test_under_a_lock_held_past_the_commit_timeout_every_call_fails_at_its_own_timeout(tmp_path: Path) -> None:
+    """The red team's 40 s lock: the first call failed at the 3 s commit timeout, the next waited 36 s,
+    since its replacement writer opened its stores (which takes the lock) inside the 120 s start-up
+    allowance. Now each call fails within its own commit timeout while the lock is held, and once
+    it is released the next call commits. (The 30 s bound only keeps a regression from hanging the suite.)"""
+    recorder, writer, audit, db = _loop_recorder(tmp_path, commit_timeout_s=1.0)
+
+    async def go() -> tuple[list[BaseException | None], int]:
+        async with recorder.running():
+            await asyncio.wrap_future(recorder.submit(*_entry(0)))
+            lock = sqlite3.connect(db, isolation_level=None)
+            lock.execute("BEGIN IMMEDIATE")
+            failures = []
+            with anyio.fail_after(30):
+                for n in (1, 2, 3):
+                    failures.append(await _failure(recorder.submit(*_entry(n))))
+            lock.execute("ROLLBACK")
+            lock.close()
+            return failures, await asyncio.wrap_future(recorder.submit(*_entry(4)))
+    failures, index = anyio.run(go)
+    assert all(isinstance(f, WriterError) and f.kind == "commit timed out" for f in failures), failures
+    assert [audit.get(i).body["n"] for i in range(audit.size)] == [0, 4] and audit.get(index).body["n"] == 4
