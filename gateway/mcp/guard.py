@@ -516,7 +516,8 @@ class Guard:
         """Queue the ledger crossing and the audit records for the next group commit. The Pending it
         returns must be settled before anything is acted on: a decision whose record cannot be
         written is not acted on (the caller gets a ScreeningError). `shown` may need the crossing's id."""
-        meta = {k: v for k, v in body.items() if k in ("gate", "decision", "redaction", "non_text", "parts_sha256")}
+        meta = {k: v for k, v in body.items()
+                if k in ("actor", "gate", "decision", "redaction", "non_text", "parts_sha256")}
         if call_record:
             meta["call"] = {k: call_record[k] for k in ("content_sha256", "gate", "decision") if k in call_record}
         crossing = CrossingLog.new(tenant=call.tenant, session_id=call.session_id, channel="mcp",

@@ -24,7 +24,7 @@ import structlog
 from mcp.server.lowlevel import Server
 from mcp.shared.exceptions import MCPError
 
-from ledger import Ledger
+from ledger import Crossing, Ledger
 from policies import Decision
 
 from .. import __version__
@@ -156,6 +156,17 @@ class Proxy:
         is per user (the chat API's rule, `Principal.may_see`)."""
         record = self.ledger.get_session(session_id, principal.tenant)
         return record is not None and principal.may_see(self.guard.policy, record)
+
+    def crossings_seen(self, principal: Principal, session_id: str | None) -> list[Crossing]:
+        """The caller's tenant's crossings (one session's when given), and only its own calls' where
+        the tenancy is per user (`owner_only`, the chat API's rule): a red team's user listed another
+        user's tools, digests and redaction offsets. A crossing recorded without its actor counts as
+        another's (the closed side)."""
+        rows = self.ledger.crossings.list(principal.tenant or "", session_id)
+        if not principal.owner_only(self.guard.policy):
+            return rows
+        own = f"{principal.tenant}:{principal.user}" if principal.user is not None else None
+        return [r for r in rows if own is not None and r.meta.get("actor") == own]
 
     async def _guarded(self, doc: Document, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)`, a guard step over `doc`: on the loop if the document is small, else off it."""

@@ -108,7 +108,7 @@ def http_app(proxy: Proxy, tenants: TenantStore, host: str = "127.0.0.1") -> ASG
         if session is not None and not await anyio.to_thread.run_sync(proxy.sees_session, principal, session):
             return _error(404, "session_not_found", f"session {session!r} not found for this caller; list "
                                                     "crossings without ?session=, or use a session id of your own")
-        rows = await anyio.to_thread.run_sync(lambda: proxy.ledger.crossings.list(principal.tenant or "", session))
+        rows = await anyio.to_thread.run_sync(proxy.crossings_seen, principal, session)
         return JSONResponse({"crossings": [r.to_dict() for r in rows]})
 
     server = proxy.server(_http_caller)

@@ -387,6 +387,27 @@ def test_crossings_of_a_session_the_caller_cannot_see_are_404_not_an_empty_list(
         assert error["code"] == "session_not_found" and error["type"] == "invalid_request_error"
 
 
+def test_where_the_tenancy_is_per_user_a_user_lists_only_its_own_crossings(deployment: Deployment,
+                                                                            http_run: dict[str, Any]) -> None:
+    """The red team's carol listed alice's tools, digests and redaction offsets without `?session=`:
+    acme is scoped per user (the default), so another user of acme sees none of the agent's crossings,
+    and its own call's only."""
+    crossings = f"http://127.0.0.1:{PROXY_PORT}/v1/mcp/crossings"
+    mallory = TenantStore.from_url(deployment.db_url).create_key("acme", user="mallory-2")
+    agents = httpx.get(crossings, headers={"Authorization": f"Bearer {deployment.keys['acme']}"}).json()["crossings"]
+    assert agents and all(c["meta"]["actor"] == "acme:agent" for c in agents)
+    assert httpx.get(crossings, headers={"Authorization": f"Bearer {mallory}"}).json()["crossings"] == []
+    http, client = http_client(f"http://127.0.0.1:{PROXY_PORT}/mcp", mallory)
+
+    async def call() -> None:
+        async with http, client:
+            await client.call_tool("fx__weather", {"city": "Oslo"})
+    anyio.run(call)
+    own = httpx.get(crossings, headers={"Authorization": f"Bearer {mallory}"}).json()["crossings"]
+    assert [(c["tool"], c["meta"]["actor"]) for c in own] == [("fx__weather", "acme:mallory-2")]
+    assert not {c["id"] for c in own} & {c["id"] for c in agents}
+
+
 def test_non_text_rules_are_per_tenant(deployment: Deployment, http_run: dict[str, Any]) -> None:
     """globex's policy lets images through; acme's identical call (default policy) withholds them."""
     globex = anyio.run(_over_http, deployment, "globex", [("image", "fx__screenshot", {})])
