@@ -165,7 +165,7 @@ def _spanned(tok, row: dict, span: list[int] | None) -> dict:
 def redteam_rows(tok) -> list[dict]:
     """The red-team sets of ``REDTEAM_TRAIN``, each row prefixed at random and truncated as the
     other sets. An injected row that names its ``injected`` passage gets that passage's token span;
-    one that does not (s4-s10) is multiple-instance, as the wide set's."""
+    one that does not (s4-s10, t8) is multiple-instance, as the wide set's."""
     r = random.Random(SEED + 20)
     out = []
     for name in REDTEAM_TRAIN:

@@ -226,7 +226,9 @@ def test_red_team_rows_that_mark_their_injection_label_exactly_its_tokens(real_m
     tok = real_model.tokenizer
     rows = probe_features.redteam_rows(tok)
     marked = [r for r in rows if "injected" in r]
-    assert {n for n in probe_features.REDTEAM_TRAIN if n.startswith("redteam_train_t")} <= {r["set"] for r in marked}
+    # t1-t7 name their planted passages; t8 (session 11) does not, and is multiple-instance like s4-s10
+    assert {f"redteam_train_t{k}.jsonl" for k in range(1, 8)} <= {r["set"] for r in marked}
+    assert "redteam_train_t8.jsonl" not in {r["set"] for r in marked}
     assert all(r["label"] == "injection" for r in marked)
     assert not any("tokens" in r for r in rows if "injected" not in r)
     for r in marked[::7]:
