@@ -390,7 +390,9 @@ SETTINGS = [
     # 25 beat the shipped gate on s14 but lost the wide-set CV (0.789) through docs-html false positives: s14 too
     # (development data now), and t8, documentation pages as tool outputs (180 benign, dense with imperatives to
     # the reader; 60 with a planted instruction), at red-team weights 0.2 and 0.1; the candidate (the larger
-    # weight with a wide-set CV >= 0.80) was fixed before the judge s15 was scored (gate/data/rule_s15.md)
+    # weight with a wide-set CV >= 0.80) was fixed before the judge s15 was scored (gate/data/rule_s15.md):
+    # CV 0.795 (26) and 0.804 (27); on s15 27 beat 23 at 1% FPR (0.988 vs 0.963) but not in recall at its own
+    # threshold (0.90 vs 0.95): not shipped
     Setting(LAYERS, 1e-1, 2, True, extra=True, third=True, fourth=True, redteam=REDTEAM_TRAIN[:19], calibrate_redteam=True,
             policy_fpr=0.02, redteam_weight=0.2),
     Setting(LAYERS, 1e-1, 2, True, extra=True, third=True, fourth=True, redteam=REDTEAM_TRAIN[:19], calibrate_redteam=True,
