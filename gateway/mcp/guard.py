@@ -500,8 +500,9 @@ class Guard:
 
     def _body(self, kind: str, call: Call, doc: Document, report: GateReport | None, decision: Decision,
               redaction: Redaction | None) -> dict[str, Any]:
-        body: dict[str, Any] = {"kind": kind, "tenant": call.tenant, "actor": _actor(call), "upstream": call.upstream,
-                                "tool": call.tool, "content_sha256": doc.sha256, "decision": decision.to_dict()}
+        body: dict[str, Any] = {"kind": kind, "tenant": call.tenant, "actor": actor_of(call.principal),
+                                "upstream": call.upstream, "tool": call.tool, "content_sha256": doc.sha256,
+                                "decision": decision.to_dict()}
         if call.session_id:
             body["session"] = call.session_id
         if report is not None:
@@ -572,5 +573,6 @@ def reason_label(decision: Decision) -> str:
     return _LABELS.get(rule, rule.replace("_", "-") or "policy")
 
 
-def _actor(call: Call) -> str:
-    return f"{call.tenant}:{call.principal.user or 'key'}"
+def actor_of(principal: Principal) -> str:
+    """Who acted, as records name it: `tenant:user`, or `tenant:key` for a key without a user."""
+    return f"{principal.tenant or ''}:{principal.user or 'key'}"

@@ -29,7 +29,7 @@ from policies import Decision
 
 from .. import __version__
 from ..tenants import Principal
-from .guard import Call, Document, Guard, Outcome, Pending, ScreeningError, reason_label
+from .guard import Call, Document, Guard, Outcome, Pending, ScreeningError, actor_of, reason_label
 from .settings import (PROMPT_GET, RESOURCE_READ, URI_SCHEME, McpSettings, exported_name, exported_template,
                        exported_uri, split_uri)
 from .upstream import Upstreams, UpstreamError
@@ -165,7 +165,7 @@ class Proxy:
         rows = self.ledger.crossings.list(principal.tenant or "", session_id)
         if not principal.owner_only(self.guard.policy):
             return rows
-        own = f"{principal.tenant}:{principal.user}" if principal.user is not None else None
+        own = actor_of(principal) if principal.user is not None else None
         return [r for r in rows if own is not None and r.meta.get("actor") == own]
 
     async def _guarded(self, doc: Document, fn: Callable[..., Any], *args: Any) -> Any:

@@ -52,11 +52,16 @@ class RecorderStopped(Exception):
     serving, or after it stopped): nothing was committed, so nothing may be acted on."""
 
 
+def shared_database(ledger: Ledger, audit: AuditLog) -> bool:
+    """Whether the ledger and the audit log live in one database: a batch is then one transaction."""
+    return ledger.crossings.database == getattr(audit, "database", None)
+
+
 def local_writer(ledger: Ledger, audit: AuditLog, wait: bool = True) -> Writer:
     """Commits in this process: one transaction when both stores share a database. With
     `wait=False` a write lock held by another writer raises `audit.LogBusy`, nothing written (only
     for shared stores: with two databases the crossing would be committed before the lock was found)."""
-    shared = ledger.crossings.database == getattr(audit, "database", None)
+    shared = shared_database(ledger, audit)
     if not (wait or shared):
         raise ValueError("a writer that does not wait for the lock needs the ledger and the audit log in one "
                          "database (LETHE_AUDIT_DATABASE_URL unset)")
@@ -96,7 +101,7 @@ class Recorder:
     durable. One thread of this process commits each batch with a synchronous `Writer`."""
 
     def __init__(self, ledger: Ledger, audit: AuditLog, writer: Writer | None = None) -> None:
-        self.shared = ledger.crossings.database == getattr(audit, "database", None)
+        self.shared = shared_database(ledger, audit)
         self._write = writer or local_writer(ledger, audit)
         self._queue: queue.SimpleQueue[_Entry] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -188,19 +193,9 @@ class InlineFirst:
         if self._answered is None:
             raise RecorderStopped("the inline writer is not open; nothing was recorded")
         if not self._held and time.monotonic() >= self._inline_from:
-            started = time.monotonic()
-            try:
-                indices: list[int] | Exception = self._write(rows, records)
-            except LogBusy:  # another writer holds the lock: the fallback waits for it, within its timeout
-                pass
-            except Exception as exc:  # noqa: BLE001 - the batch fails, nothing of it is acted on
-                self._stalled(started)
-                self._answered(exc)
-                return
-            else:
-                self.inline += 1
-                self._stalled(started)
-                self._answered(indices)
+            outcome = self._commit_here(rows, records)
+            if outcome is not None:
+                self._answered(outcome)
                 return
         self._held += 1  # before the send: a dying writer may answer this very batch inside it
         try:
@@ -209,8 +204,21 @@ class InlineFirst:
             self._held -= 1
             raise
 
-    def _stalled(self, started: float) -> None:
-        seconds = time.monotonic() - started
+    def _commit_here(self, rows: Rows, records: list[dict[str, Any]]) -> list[int] | Exception | None:
+        """The batch's indices or its failure; None if another writer holds the lock (the fallback
+        waits for it, within its timeout)."""
+        started = time.monotonic()
+        try:
+            outcome: list[int] | Exception | None = self._write(rows, records)
+            self.inline += 1
+        except LogBusy:
+            outcome = None
+        except Exception as exc:  # noqa: BLE001 - the batch fails, nothing of it is acted on
+            outcome = exc
+        self._stalled(time.monotonic() - started)
+        return outcome
+
+    def _stalled(self, seconds: float) -> None:
         if seconds > self.STALL_S:
             self._inline_from = time.monotonic() + self.BACKOFF_S
             log.warning("mcp.inline_commit_stalled", seconds=round(seconds, 3), backoff_s=self.BACKOFF_S,
@@ -244,7 +252,7 @@ class LoopRecorder:
     """
 
     def __init__(self, ledger: Ledger, audit: AuditLog, link: WriterLink) -> None:
-        self.shared = ledger.crossings.database == getattr(audit, "database", None)
+        self.shared = shared_database(ledger, audit)
         self._link = link
         self._queue: deque[_Entry] = deque()
         self._in_flight: deque[list[_Entry]] = deque()  # sent and unanswered, oldest first

@@ -11,7 +11,7 @@ from policies import PolicyEngine
 from ..config import Settings
 from ..tenants import Principal, TenantStore
 from .guard import Guard
-from .recorder import InlineFirst, WriterLink, local_writer
+from .recorder import InlineFirst, WriterLink, local_writer, shared_database
 from .proxy import Proxy
 from .settings import McpSettings, UpstreamConfigError
 from .transport import http_app, serve_stdio
@@ -41,7 +41,7 @@ def writer_link(settings: Settings, ledger: Ledger, audit: AuditLog) -> WriterLi
     """The writer process, with commits on the loop first where both stores share one local SQLite
     file (recorder.InlineFirst: a network database would block the loop for a round trip)."""
     process = WriterProcess(settings)
-    local = ledger.crossings.database == audit.database and audit.database.startswith("sqlite")
+    local = shared_database(ledger, audit) and audit.database.startswith("sqlite")
     if settings.mcp_inline_commit and local:
         return InlineFirst(local_writer(ledger, audit, wait=False), process)
     return process
