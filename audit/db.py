@@ -12,11 +12,13 @@ PostgreSQL. Nothing mutable exists to lock: the head is ``max(idx) + 1``.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import structlog
 from sqlalchemy import (
     BigInteger,
     Column,
@@ -37,6 +39,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
 from .errors import AuditError, LogBusy
+
+log = structlog.get_logger(__name__)
 
 __all__ = ["checkpoints", "intents", "keys", "make_engine", "node_id", "nodes", "records", "write_transaction"]
 
@@ -164,18 +168,23 @@ _SQLITE_TRIGGERS = [
 ]
 
 
+_FILE = "lethe.database_file"  # a SQLite connection's info: (path, (st_dev, st_ino) when it was opened)
+
+
 def _sqlite_engine(url: str) -> Engine:
     database = make_url(url).database
     if not database or database == ":memory:":
         raise AuditError("the audit log needs a file database (sqlite:///path/audit.db), not :memory:")
     Path(database).parent.mkdir(parents=True, exist_ok=True)
+    path = os.path.abspath(database)
     engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 60})
 
     @event.listens_for(engine, "connect")
-    def _connect(dbapi_conn: Any, _record: Any) -> None:
+    def _connect(dbapi_conn: Any, record: Any) -> None:
         dbapi_conn.isolation_level = None  # we emit BEGIN ourselves, below
         for pragma in ("journal_mode=WAL", "synchronous=FULL", f"busy_timeout={BUSY_TIMEOUT_MS}"):
             dbapi_conn.execute(f"PRAGMA {pragma}")  # FULL: a commit has reached the disk
+        record.info[_FILE] = (path, _identity(path))
 
     @event.listens_for(engine, "begin")
     def _begin(conn: Connection) -> None:
@@ -192,11 +201,28 @@ def make_engine(url: str) -> Engine:
         engine = create_engine(url)
     else:
         raise AuditError(f"audit database {backend!r} is not supported; use sqlite:///… or postgresql+psycopg://…")
-    with write_transaction(engine) as conn:  # under the lock: replicas starting together do not race
+    try:
+        _create(engine, backend, wait=False)
+    except LogBusy:
+        log.warning("audit.waiting_for_write_lock", database=engine.url.render_as_string(hide_password=True),
+                    up_to_s=BUSY_TIMEOUT_MS / 1000 if backend == "sqlite" else None,
+                    hint="another process holds the log's write lock (a long transaction, a backup, a replica "
+                         "starting); this start goes on when it is released")
+        try:
+            _create(engine, backend, wait=True)
+        except OperationalError as exc:
+            raise AuditError(f"the audit database's write lock stayed held by another process for "
+                             f"{BUSY_TIMEOUT_MS / 1000:g} s, so the log could not be opened; find the process "
+                             "holding it (`fuser` on the database file) and start again") from exc
+    return engine
+
+
+def _create(engine: Engine, backend: str, wait: bool) -> None:
+    """The tables and triggers, under the write lock: replicas starting together do not race."""
+    with write_transaction(engine, wait=wait) as conn:
         metadata.create_all(conn)
         for stmt in _PG_TRIGGERS if backend == "postgresql" else _SQLITE_TRIGGERS:
             conn.execute(text(stmt))  # text(): psycopg would read the % in RAISE as a placeholder
-    return engine
 
 
 @contextmanager
@@ -214,7 +240,9 @@ def write_transaction(engine: Engine, wait: bool = True) -> Iterator[Connection]
             _busy_timeout(conn, 0)
         try:
             with conn.begin():
-                if not sqlite:
+                if sqlite:
+                    _same_file(conn)
+                else:
                     _pg_lock(conn, wait)
                 yield conn
         except OperationalError as exc:
@@ -224,6 +252,28 @@ def write_transaction(engine: Engine, wait: bool = True) -> Iterator[Connection]
         finally:
             if sqlite and not wait:
                 _busy_timeout(conn, BUSY_TIMEOUT_MS)
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _same_file(conn: Connection) -> None:
+    """Refuse a write through a connection whose database file was deleted or replaced after it
+    was opened: SQLite goes on writing into the unlinked file, and every record would be lost when
+    the process ends (a red team deleted the database under a running proxy). Checked under the
+    write lock, so the write that follows goes to the file the check saw; a stat per transaction."""
+    path, opened = conn.connection.info[_FILE]
+    now = _identity(path)
+    if now is None or now != opened:
+        raise AuditError(f"the database file {path} was {'deleted' if now is None else 'replaced'} after this "
+                         "process opened it: nothing more is written to the old file, since no one could read "
+                         "it back; restart the process (after restoring the file from a backup, if it was "
+                         "removed by mistake)")
 
 
 def _busy_timeout(conn: Connection, ms: int) -> None:

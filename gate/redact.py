@@ -11,6 +11,7 @@ but a secret the gate did not locate is still there, and only the re-scan can sa
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -18,6 +19,9 @@ from dataclasses import dataclass
 from .findings import Finding
 
 _UNSAFE = re.compile(r"[^a-z0-9_]+")
+# Cuts a record lists by offset; past this, the rest are counted and digested. A red team's result
+# of thousands of keys made its records tens of times larger than itself.
+LISTED_CUTS = 256
 
 
 def placeholder(rule_id: str) -> bytes:
@@ -52,9 +56,15 @@ class Redaction:
         return hashlib.sha256(self.data).hexdigest()
 
     def to_dict(self) -> dict[str, object]:
-        """Audit-safe: hashes, kinds and offsets only."""
-        return {"original_sha256": self.original_sha256, "redacted_sha256": self.sha256,
-                "cuts": [c.to_dict() for c in self.cuts]}
+        """Audit-safe: hashes, kinds and offsets only, of a bounded size: the first `LISTED_CUTS`
+        cuts, and past them the total and the SHA-256 of every cut's dict as compact sorted JSON,
+        one list (an auditor holding the original recomputes the cuts and checks that digest)."""
+        listed: dict[str, object] = {"original_sha256": self.original_sha256, "redacted_sha256": self.sha256,
+                                     "cuts": [c.to_dict() for c in self.cuts[:LISTED_CUTS]]}
+        if len(self.cuts) > LISTED_CUTS:
+            every = json.dumps([c.to_dict() for c in self.cuts], sort_keys=True, separators=(",", ":"))
+            listed.update(cuts_total=len(self.cuts), cuts_sha256=hashlib.sha256(every.encode()).hexdigest())
+        return listed
 
 
 def _merged(findings: Iterable[Finding], kinds: frozenset[str], size: int) -> list[Cut]:

@@ -112,6 +112,8 @@ class Settings(BaseSettings):
                                     "false: always the writer process (a disk whose fsync is slow)")
     mcp_connect_timeout_s: float = 20.0
     mcp_max_result_bytes: int = 1_000_000
+    mcp_session_idle_s: float = Field(default=1800.0, gt=0, description="`lethe mcp --http`: an MCP session with no "
+                                      "request for this long is closed (its client starts a new one)")
 
     @classmethod
     def settings_customise_sources(

@@ -38,7 +38,7 @@ from .errors import GatewayError, fails_as
 from .erasure import Erasure, actor_of, audit_body, segment_tokens, turn_intents
 from .metrics import Metrics
 from .residency import Residency
-from .screen import Screened, apply_redact, refuse_withheld
+from .screen import Screened, apply_redact, policy_findings, refuse_withheld
 from .sessions import Compute, LiveSession, PrefixCache, prefill_pieces
 from .tenants import Principal
 from .turn import Action, Staged, Turn
@@ -93,11 +93,10 @@ class Verdict:
         return "injection" if self.injection >= 0.5 else "secret" if self.report.secret >= 0.5 else "clean"
 
     def findings(self) -> list[dict[str, Any]]:
-        found = [{"kind": f.kind, "rule_id": f.rule_id, "layer": f.layer, "score": f.score}
-                 for f in self.report.findings]
+        found = policy_findings(self.report.findings)
         if self.probe_score is not None and self.probe_score >= 0.5:
             found.append({"kind": "injection", "rule_id": "hidden-state-probe", "layer": "probe",
-                          "score": self.probe_score})
+                          "score": self.probe_score, "count": 1})
         return found
 
     def policy_input(self) -> dict[str, Any]:

@@ -10,11 +10,11 @@ back through another door (a chat tool message), whatever the policy would say a
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from gate import Gate, GateReport, Redaction, redact
+from gate import Finding, Gate, GateReport, Redaction, redact
 from ledger import CrossingLog
 from policies import Decision, PolicyEngine
 
@@ -28,11 +28,24 @@ class Screened:
     rescan: GateReport | None = None
 
 
+def policy_findings(findings: Iterable[Finding]) -> list[dict[str, Any]]:
+    """The findings as a decision input lists them: one entry per (kind, rule_id, layer), with its
+    highest score and how many there were, in order of first appearance. A result of 3,000 keys
+    listed one by one exhausted the policy engine's instruction budget, and its redaction became
+    a quarantine by policy error; the rules ask which kinds and rules fired, not where."""
+    grouped: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for f in findings:
+        entry = grouped.setdefault((f.kind, f.rule_id, f.layer),
+                                   {"kind": f.kind, "rule_id": f.rule_id, "layer": f.layer, "score": f.score, "count": 0})
+        entry["score"] = max(entry["score"], f.score)
+        entry["count"] += 1
+    return list(grouped.values())
+
+
 def gate_input(report: GateReport, injection: float | None = None) -> dict[str, Any]:
     """The `gate` object of a decision input: scores and finding kinds, no offsets or excerpts."""
     return {"injection": report.injection if injection is None else injection, "secret": report.secret,
-            "findings": [{"kind": f.kind, "rule_id": f.rule_id, "layer": f.layer, "score": f.score}
-                         for f in report.findings]}
+            "findings": policy_findings(report.findings)}
 
 
 Cutter = Callable[[bytes, GateReport, tuple[str, ...]], Redaction]

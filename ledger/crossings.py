@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import Connection, Engine, insert, select
+from sqlalchemy import Connection, Engine, insert, select, tuple_
 from sqlalchemy.dialects import postgresql, sqlite
 
 from .schema import WRITE, crossings, withheld
@@ -65,10 +65,16 @@ class CrossingLog:
 
     @staticmethod
     def new(*, tenant: str, session_id: str | None, channel: str, upstream: str, tool: str, phase: str,
-            content_sha256: str, action: str, meta: dict[str, Any]) -> Crossing:
-        """A crossing with its id, not yet written (its id can go into other records first)."""
-        return Crossing("crs_" + secrets.token_hex(12), tenant, session_id, channel, upstream, tool, phase,
+            content_sha256: str, action: str, meta: dict[str, Any], id: str | None = None) -> Crossing:
+        """A crossing with its id (a new one unless given: `new_id`), not yet written (its id can go
+        into other records first)."""
+        return Crossing(id or CrossingLog.new_id(), tenant, session_id, channel, upstream, tool, phase,
                         content_sha256, action, datetime.now(timezone.utc), meta)
+
+    @staticmethod
+    def new_id() -> str:
+        """A fresh crossing id, for records written before their crossing (an MCP call's, ahead of its result)."""
+        return "crs_" + secrets.token_hex(12)
 
     @property
     def database(self) -> str:
@@ -77,6 +83,8 @@ class CrossingLog:
 
     def write(self, rows: Sequence[tuple[Crossing, Iterable[str]]]) -> None:
         """Crossings, each with the digests it withholds, in one transaction (one commit for a batch)."""
+        if not rows:
+            return
         with self._serial, self._engine.connect().execution_options(**{WRITE: True}) as conn, conn.begin():
             self.insert(conn, rows)
 
@@ -86,7 +94,8 @@ class CrossingLog:
         store's writer in the same database (the audit log) commits them with its own rows."""
         withheld_rows = [{"tenant": c.tenant, "sha256": d, "crossing_id": c.id}
                          for c, digests in rows for d in sorted(set(digests))]
-        conn.execute(_INSERT, [_row(c) for c, _ in rows])
+        if rows:  # a batch may hold records alone (an MCP call's, committed before its crossing)
+            conn.execute(_INSERT, [_row(c) for c, _ in rows])
         if withheld_rows:
             conn.execute(_insert_ignore(conn), withheld_rows)
 
@@ -96,13 +105,24 @@ class CrossingLog:
         self.write([(row, withhold)])
         return row
 
-    def list(self, tenant: str, session_id: str | None = None) -> list[Crossing]:
-        """A tenant's crossings (one session's when given), oldest first. Never another tenant's."""
+    def list(self, tenant: str, session_id: str | None = None, *, after: str | None = None,
+             limit: int | None = None) -> list[Crossing]:
+        """A tenant's crossings (one session's when given), oldest first. Never another tenant's.
+        A page: at most `limit`, those after the crossing `after` (a keyset on time and id, so a
+        page costs its own rows, however long the log); an `after` that is not one of this
+        tenant's crossings raises LookupError."""
         query = select(crossings).where(crossings.c.tenant == tenant)
         if session_id is not None:
             query = query.where(crossings.c.session_id == session_id)
         with self._serial, self._engine.connect() as conn:
-            rows = conn.execute(query.order_by(crossings.c.created_at, crossings.c.id)).all()
+            if after is not None:
+                mark = conn.execute(select(crossings.c.created_at).where(
+                    crossings.c.tenant == tenant, crossings.c.id == after)).scalar_one_or_none()
+                if mark is None:
+                    raise LookupError(f"no crossing {after!r} for this tenant")
+                query = query.where(tuple_(crossings.c.created_at, crossings.c.id) > tuple_(mark, after))
+            query = query.order_by(crossings.c.created_at, crossings.c.id)
+            rows = conn.execute(query if limit is None else query.limit(limit)).all()
         return [Crossing(r.id, r.tenant, r.session_id, r.channel, r.upstream, r.tool, r.phase, r.content_sha256,
                          r.action, r.created_at.replace(tzinfo=r.created_at.tzinfo or timezone.utc), dict(r.meta))
                 for r in rows]

@@ -79,6 +79,7 @@ crossings = Table(
     Column("created_at", DateTime(timezone=True), nullable=False),
     Column("meta", JSON, nullable=False),
     Index("ix_ledger_crossings_tenant_session", "tenant", "session_id"),
+    Index("ix_ledger_crossings_tenant_time", "tenant", "created_at", "id"),  # a page of the listing
 )
 
 withheld = Table(

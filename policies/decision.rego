@@ -27,7 +27,8 @@
 #                such a server-side record backs `name` and the client's claim agrees with it.
 #     "span":    {"bytes": number, "tokens": number},
 #     "gate":    {"injection": number in [0, 1], "secret": number in [0, 1],
-#                 "findings": [{"kind": string, "rule_id": string, "layer": string, "score": number}],
+#                 "findings": [{"kind": string, "rule_id": string, "layer": string, "score": number,
+#                               "count": number}],   (one per kind, rule and layer: its highest score, how many)
 #                 "scorer": optional "stack" | "byte_gate" (what produced `injection`)}
 #   }
 # Output: {"action": "allow" | "quarantine" | "redact" | "forget" | "amortize", "reasons": [string, ...],

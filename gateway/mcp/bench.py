@@ -166,7 +166,7 @@ def _guard_cpu_ms(workdir: Path, samples: int = 100) -> dict[str, float]:
         call = Call(Principal("bench", "bench"), None, "up", "up__page")
         started = time.process_time()
         _, record = guard.screen_arguments(call, Document.of_arguments(ARGS))
-        guard.screen_result(call, result, record)
+        guard.screen_result(call, result, guard.write_call(call, record))
         if n >= 10:  # warm: the policy engine's per-thread compile, SQLite's caches
             cpu.append((time.process_time() - started - call.spent["gate"]) * 1e3)
     return _pct(cpu)

@@ -56,6 +56,7 @@ log = structlog.get_logger(__name__)
 JOINER = b"\n"
 _REACH = 4096  # of each string beside a seam, what the argument-value glue reads (`Document.glued_secrets`)
 NON_TEXT_STUB = "[{what} withheld by policy: the gate cannot read it]"
+MAX_BLOCKS = 1024  # content blocks in one result (`Guard._oversized`)
 
 
 class ScreeningError(Exception):
@@ -100,6 +101,7 @@ class Pending:
     about: dict[str, str]  # tenant, tool, phase, action: for the log lines
     committed: Future[int]
     queued_at: float  # time.perf_counter() when its records were submitted: the commit wait runs from here
+    not_done: str = "nothing was passed on"  # what the agent's error says of a failed commit
 
     def outcome(self, audit_index: int) -> Outcome:
         log.info("mcp.decision", **self.about, crossing=self.crossing_id, audit_index=audit_index)
@@ -107,10 +109,49 @@ class Pending:
 
     def failed(self, exc: BaseException) -> ScreeningError:
         """The error the agent gets when this decision's records could not be committed."""
-        kind = getattr(exc, "kind", type(exc).__name__)  # a WriterError names the error in the writer process
-        log.error("mcp.record_failed", **self.about, crossing=self.crossing_id, error=kind)
-        return ScreeningError(f"the decision could not be recorded ({kind}); "
-                              "nothing was passed on; check the ledger and audit databases")
+        kind = _error_kind(exc)
+        log.error("mcp.record_failed", **self.about, crossing=self.crossing_id, error=kind, **_detail(kind, exc))
+        return ScreeningError(f"the decision could not be recorded ({kind}); {self.not_done}; "
+                              "check the ledger and audit databases")
+
+
+def _error_kind(exc: BaseException) -> str:
+    return getattr(exc, "kind", type(exc).__name__)  # a WriterError names the error in the writer process
+
+
+def _detail(kind: str, exc: BaseException) -> dict[str, str]:
+    """The failure's text for the operator's log when it is the audit log's own (which names the
+    fix); a driver's error may quote a statement's parameters, so only its kind is logged."""
+    return {"detail": str(exc)} if kind in ("AuditError", "LogBusy") else {}
+
+
+@dataclass(frozen=True)
+class Called:
+    """An allowed call whose `mcp-call` record was durable (at audit index `audit_index`) before its
+    upstream was called: whatever becomes of the result (an upstream failure, a caller gone, a
+    failed screening or commit), the audit log names every call the proxy made. The result's
+    crossing and record, written later, carry the crossing id the call record names."""
+
+    record: dict[str, Any]
+    audit_index: int
+
+    @property
+    def crossing_id(self) -> str:
+        return str(self.record["crossing"])
+
+    def summary(self) -> dict[str, Any]:
+        """What the result's crossing keeps of the call: its digest, findings, decision and record."""
+        kept: dict[str, Any] = {k: self.record[k] for k in ("content_sha256", "gate", "decision") if k in self.record}
+        return {**kept, "audit_index": self.audit_index}
+
+
+def call_unrecorded(call: "Call", exc: BaseException) -> ScreeningError:
+    """The error the agent gets when an allowed call's record could not be committed: the call is not made."""
+    kind = _error_kind(exc)
+    log.error("mcp.record_failed", tenant=call.tenant, tool=call.tool, phase="arguments", action="allow", error=kind,
+              **_detail(kind, exc))
+    return ScreeningError(f"the call could not be recorded ({kind}); the upstream was not called and nothing "
+                          "was passed on; check the ledger and audit databases")
 
 
 # ---- text parts ------------------------------------------------------------------------------------
@@ -206,6 +247,9 @@ class Document:
     # Arguments only: per part, the raw string it carries (`"key": "AKIA..."` -> `AKIA...`; a key
     # alone -> ``), so a secret split over two argument values is found. None: the parts.
     glue: tuple[bytes, ...] | None = None
+    # Results only: how many of the parts are the content blocks' text (the rest are structured
+    # content's strings). None: all of them.
+    blocks: int | None = None
 
     @classmethod
     def of(cls, parts: list[str], glue: list[str] | None = None) -> "Document":
@@ -228,14 +272,27 @@ class Document:
     @classmethod
     def of_result(cls, result: types.CallToolResult) -> "Document":
         """A result's readable text (`result_parts`) as one document."""
-        return cls.of(result_parts(result))
+        parts = result_parts(result)
+        return replace(cls.of(parts), blocks=sum(1 for b in result.content if _block_text(b) is not None))
 
     @property
     def sha256(self) -> str:
         return hashlib.sha256(self.data).hexdigest()
 
     def part_digests(self) -> list[str]:
-        return [hashlib.sha256(self.data[s:e]).hexdigest() for s, e in self.spans]
+        """Each content block's digest (what an agent would paste back whole); a structured
+        content's strings are not listed one by one (a JSON API's hundreds of fields)."""
+        return [hashlib.sha256(self.data[s:e]).hexdigest() for s, e in self.spans[:self.blocks]]
+
+    @property
+    def shown_bytes(self) -> int:
+        """The size a result's limit applies to: the larger of its two renderings, its blocks' text
+        and its structured content's strings. A tool that sends both (as the MCP specification
+        asks) is not counted twice; the scan reads both, still linear in what arrived."""
+        if self.blocks is None or self.blocks == len(self.spans):
+            return len(self.data)
+        cut = self.spans[self.blocks][0]
+        return max(cut, len(self.data) - cut)
 
     def glued_secrets(self, gate: Gate) -> list[Finding]:
         """Secrets cut across parts, in this document's offsets. The document joins its parts with
@@ -378,7 +435,7 @@ class Guard:
     def _decide(self, call: Call, phase: str, doc: Document) -> tuple[GateReport, Screened, list[str] | None]:
         """Scan, decide, and for a result carry out a redact; returns the redacted parts' texts too."""
         report = self._scan(doc, call)
-        decision = self.policy.decide(self._input(call, phase, report, len(doc.data)))
+        decision = self.policy.decide(self._input(call, phase, report, doc.shown_bytes))
         if phase != "result" or decision.action != "redact":
             return report, Screened(decision), None
         texts: list[str] = []
@@ -389,8 +446,11 @@ class Guard:
             cuts = tuple(c for r, (s, _) in zip(parts, doc.spans) for c in _moved(r, s))
             return Redaction(Document.of(texts).data, cuts, doc.sha256)
 
+        def shown(n_bytes: int) -> int:  # the redacted document's size, counted as its original's was
+            return replace(Document.of(texts), blocks=doc.blocks).shown_bytes if texts else n_bytes
+
         screened = apply_redact(self.gate, self.policy, doc.data, report, decision,
-                                lambda rescan, n: self._input(call, "result", rescan, n), cut)
+                                lambda rescan, n: self._input(call, "result", rescan, shown(n)), cut)
         return report, screened, texts if screened.decision.action == "redact" else None
 
     # -- definitions: what the list methods show ----------------------------------------------------
@@ -435,13 +495,14 @@ class Guard:
 
     def screen_arguments(self, call: Call, doc: Document) -> tuple[Pending | None, dict[str, Any]]:
         """The refusal (None when the call may go ahead) and the call's `mcp-call` record, for the
-        arguments' `Document.of_arguments`. An allowed call's record is written later with its
-        result, in one commit (`decide_result` or `upstream_failed`); a refused call's is queued here."""
+        arguments' `Document.of_arguments`. A refused call's record is queued here with its
+        crossing; an allowed call's names the crossing its result will have, and must be durable
+        (`record_call`) before the upstream is called."""
         report, screened, _ = self._decide(call, "arguments", doc)
         decision = screened.decision
         body = self._body("mcp-call", call, doc, report, decision, None)
         if decision.action == "allow":
-            return None, body
+            return None, {**body, "crossing": CrossingLog.new_id()}
 
         def refusal(crossing: str) -> types.CallToolResult:
             kind = _kind(call)
@@ -449,44 +510,68 @@ class Guard:
                                f"{kind.not_done}. Reasons: {'; '.join(decision.reasons)} (lethe crossing {crossing})")
         return self._record(call, "arguments", doc.sha256, decision, body, [], refusal), body
 
-    def upstream_failed(self, call: Call, call_record: dict[str, Any], error: str) -> Pending:
-        """An allowed call whose upstream failed: its call record, and the failure, are still written
-        (the agent's error waits for them, like any outcome)."""
-        decision = Decision("quarantine", (f"upstream_error: {error}",), self.policy.bundle_hash)
+    def record_call(self, call_record: dict[str, Any]) -> Future[int]:
+        """Queue an allowed call's record on its own (no crossing yet); its future is its audit
+        index once durable. Nothing may be sent upstream before then (a red team's cancelled call
+        had run at the upstream with no record of it)."""
+        return self.recorder.submit(None, [], [call_record])
+
+    def write_call(self, call: Call, call_record: dict[str, Any]) -> Called:
+        """`record_call`, then wait for its commit: for callers with a thread to spare."""
+        try:
+            return Called(call_record, self.record_call(call_record).result())
+        except Exception as exc:
+            raise call_unrecorded(call, exc) from exc
+
+    def unanswered(self, call: Call, called: Called, rule: str, detail: str) -> Pending:
+        """An allowed call that got no screened result (`rule`: the upstream failed, the caller went
+        away, the screening failed): its crossing says so, so the call's record is never left
+        without an outcome where the proxy could still write one."""
+        decision = Decision("quarantine", (f"{rule}: {detail}",), self.policy.bundle_hash)
         body = self._body("mcp-result", call, Document.of([]), None, decision, None)
-        return self._record(call, "result", body["content_sha256"], decision, body, [], stub_result(""), call_record)
+        return self._record(call, "result", body["content_sha256"], decision, body, [], stub_result(""), called)
 
     # -- results -----------------------------------------------------------------------------------
 
-    def screen_result(self, call: Call, result: types.CallToolResult,
-                      call_record: dict[str, Any] | None = None) -> Outcome:
+    def screen_result(self, call: Call, result: types.CallToolResult, called: Called | None = None) -> Outcome:
         """`decide_result`, then wait for its commit: for callers with a thread to spare."""
-        return self.settle(self.decide_result(call, result, Document.of_result(result), call_record))
+        return self.settle(self.decide_result(call, result, Document.of_result(result), called))
 
     def decide_result(self, call: Call, result: types.CallToolResult, doc: Document,
-                      call_record: dict[str, Any] | None = None) -> Pending:
+                      called: Called | None = None) -> Pending:
         """What the agent will be shown (`doc` is the result's `Document.of_result`), once the
         decision's records (queued here) are durable."""
         result = _without_meta(result)
-        if len(doc.data) > self.max_result_bytes:
-            decision = Decision("quarantine", (f"result_size: {len(doc.data)} bytes of text > "
-                                               f"{self.max_result_bytes} (LETHE_MCP_MAX_RESULT_BYTES)",),
-                                self.policy.bundle_hash)
+        oversized = self._oversized(result, doc)
+        if oversized is not None:
+            decision = Decision("quarantine", (oversized,), self.policy.bundle_hash)
             report, screened, texts = None, Screened(decision), None
         else:
             report, screened, texts = self._decide(call, "result", doc)
         decision = screened.decision
         shown, non_text = _non_text(_redacted_result(result, texts) if texts is not None else result,
                                     decision.non_text)
-        withhold = [doc.sha256, *doc.part_digests()] if decision.action == "quarantine" else []
+        parts = doc.part_digests() if oversized is None else []  # too many to list: the whole's digest only
+        withhold = [doc.sha256, *parts] if decision.action == "quarantine" else []
         body = self._body("mcp-result", call, doc, report, decision, screened.redaction)
-        body.update(non_text={"blocks": non_text, "action": decision.non_text}, parts_sha256=doc.part_digests())
+        body.update(non_text={"blocks": non_text, "action": decision.non_text}, parts_sha256=parts)
         if decision.action == "quarantine":
             def shown_for(crossing: str) -> types.CallToolResult:
                 return stub_result(f"[{_kind(call).result} withheld by policy: {reason_label(decision)}] Reasons: "
                                    f"{'; '.join(decision.reasons)} (lethe crossing {crossing})")
-            return self._record(call, "result", doc.sha256, decision, body, withhold, shown_for, call_record)
-        return self._record(call, "result", doc.sha256, decision, body, withhold, shown, call_record)
+            return self._record(call, "result", doc.sha256, decision, body, withhold, shown_for, called)
+        return self._record(call, "result", doc.sha256, decision, body, withhold, shown, called)
+
+    def _oversized(self, result: types.CallToolResult, doc: Document) -> str | None:
+        """Why a result is too large to screen and record, or None. Past `MAX_BLOCKS` content blocks
+        its records (a digest a block, so the chat endpoint can refuse each one later) would
+        outgrow it: a red team's 165 KB of tiny blocks wrote 2 MB."""
+        if doc.shown_bytes > self.max_result_bytes:
+            return (f"result_size: {doc.shown_bytes} bytes of text > {self.max_result_bytes} "
+                    "(LETHE_MCP_MAX_RESULT_BYTES)")
+        if len(result.content) > MAX_BLOCKS:
+            return f"result_size: {len(result.content)} content blocks > {MAX_BLOCKS}"
+        return None
 
     @staticmethod
     def settle(pending: Pending) -> Outcome:
@@ -513,23 +598,25 @@ class Guard:
 
     def _record(self, call: Call, phase: str, sha256: str, decision: Decision, body: dict[str, Any],
                 withhold: list[str], shown: types.CallToolResult | Callable[[str], types.CallToolResult],
-                call_record: dict[str, Any] | None = None) -> Pending:
-        """Queue the ledger crossing and the audit records for the next group commit. The Pending it
+                called: Called | None = None) -> Pending:
+        """Queue the ledger crossing and its audit record for the next group commit. The Pending it
         returns must be settled before anything is acted on: a decision whose record cannot be
         written is not acted on (the caller gets a ScreeningError). `shown` may need the crossing's id."""
         meta = {k: v for k, v in body.items()
                 if k in ("actor", "gate", "decision", "redaction", "non_text", "parts_sha256")}
-        if call_record:
-            meta["call"] = {k: call_record[k] for k in ("content_sha256", "gate", "decision") if k in call_record}
+        if called is not None:
+            meta["call"] = called.summary()
         crossing = CrossingLog.new(tenant=call.tenant, session_id=call.session_id, channel="mcp",
                                    upstream=call.upstream, tool=call.tool, phase=phase, content_sha256=sha256,
-                                   action=decision.action, meta=meta)
-        records = [{**r, "crossing": crossing.id} for r in ([call_record] if call_record else []) + [body]]
+                                   action=decision.action, meta=meta,
+                                   id=called.crossing_id if called is not None else None)
         about = {"tenant": call.tenant, "tool": call.tool, "phase": phase, "action": decision.action}
         result = shown(crossing.id) if callable(shown) else shown
+        not_done = "nothing was passed on" if called is None else \
+            f"the upstream was called (audit record {called.audit_index}) but nothing of its result was passed on"
         queued_at = time.perf_counter()  # a commit on the loop (recorder.InlineFirst) is done when submit returns
-        return Pending(result, decision, crossing.id, about, self.recorder.submit(crossing, withhold, records),
-                       queued_at)
+        committed = self.recorder.submit(crossing, withhold, [{**body, "crossing": crossing.id}])
+        return Pending(result, decision, crossing.id, about, committed, queued_at, not_done)
 
 
 def _definition(item: BaseModel) -> Document:

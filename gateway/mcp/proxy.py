@@ -29,7 +29,8 @@ from policies import Decision
 
 from .. import __version__
 from ..tenants import Principal
-from .guard import Call, Document, Guard, Outcome, Pending, ScreeningError, actor_of, reason_label
+from .guard import (Call, Called, Document, Guard, Outcome, Pending, ScreeningError, actor_of, call_unrecorded,
+                    reason_label)
 from .settings import (PROMPT_GET, RESOURCE_READ, URI_SCHEME, McpSettings, exported_name, exported_template,
                        exported_uri, split_uri)
 from .upstream import Upstreams, UpstreamError
@@ -43,6 +44,7 @@ UPSTREAM_FAILED = -32001  # JSON-RPC server-error range: the upstream failed, th
 # for the GIL behind the loop for up to a switch interval (5 ms) and then for the loop to take its
 # answer back. Larger ones go to a guard thread, so the loop keeps serving other agents meanwhile.
 INLINE_BYTES = 32 * 1024
+PAGES_SCANNED = 10  # pages of the crossings listing read to fill one page of a per-user caller's own
 
 
 @dataclass(frozen=True)
@@ -157,16 +159,25 @@ class Proxy:
         record = self.ledger.get_session(session_id, principal.tenant)
         return record is not None and principal.may_see(self.guard.policy, record)
 
-    def crossings_seen(self, principal: Principal, session_id: str | None) -> list[Crossing]:
-        """The caller's tenant's crossings (one session's when given), and only its own calls' where
-        the tenancy is per user (`owner_only`, the chat API's rule): a red team's user listed another
-        user's tools, digests and redaction offsets. A crossing recorded without its actor counts as
-        another's (the closed side)."""
-        rows = self.ledger.crossings.list(principal.tenant or "", session_id)
-        if not principal.owner_only(self.guard.policy):
-            return rows
+    def crossings_seen(self, principal: Principal, session_id: str | None, after: str | None = None,
+                       limit: int = 100) -> tuple[list[Crossing], str | None]:
+        """A page of the caller's tenant's crossings (one session's when given), and the cursor of
+        the next page (None at the end); only its own calls' where the tenancy is per user
+        (`owner_only`, the chat API's rule): a red team's user listed another user's tools, digests
+        and redaction offsets. A crossing recorded without its actor counts as another's (the
+        closed side). Pages, because a red team's listing of a busy tenant was 12.9 MB in one
+        response. The filter runs over `limit` rows at a time, so a page of another user's calls
+        reads `PAGES_SCANNED` pages at most, and may come back short with a cursor to go on from."""
         own = actor_of(principal) if principal.user is not None else None
-        return [r for r in rows if own is not None and r.meta.get("actor") == own]
+        mine = principal.owner_only(self.guard.policy)
+        shown: list[Crossing] = []
+        for _ in range(PAGES_SCANNED):
+            rows = self.ledger.crossings.list(principal.tenant or "", session_id, after=after, limit=limit)
+            after = rows[-1].id if len(rows) == limit else None
+            shown += [r for r in rows if not mine or (own is not None and r.meta.get("actor") == own)]
+            if len(shown) >= limit or after is None:
+                break
+        return shown[:limit], after if len(shown) <= limit else shown[limit - 1].id
 
     async def _guarded(self, doc: Document, fn: Callable[..., Any], *args: Any) -> Any:
         """`fn(*args)`, a guard step over `doc`: on the loop if the document is small, else off it."""
@@ -250,23 +261,52 @@ class Proxy:
 
     async def _screened(self, call: Call, arguments: dict[str, Any],
                         fetch: Callable[[], Awaitable[types.CallToolResult]], what: str) -> Outcome:
-        """Arguments screened, then `fetch` from the upstream, then its blocks screened; durable before returned."""
+        """Arguments screened, the call's record made durable, then `fetch` from the upstream, then
+        its blocks screened; durable before returned."""
         try:
             doc = Document.of_arguments(arguments)
             refusal, record = await self._guarded(doc, self.guard.screen_arguments, call, doc)
             if refusal is not None:
                 return await _durable(refusal, call)
-            upstream_started = time.perf_counter()
-            try:
-                blocks = await fetch()
-            except UpstreamError as exc:
-                await _durable(self.guard.upstream_failed(call, record, str(exc)), call)
-                raise MCPError(UPSTREAM_FAILED, str(exc)) from exc
-            call.spent["upstream"] = time.perf_counter() - upstream_started
-            doc = Document.of_result(blocks)
-            return await _durable(await self._guarded(doc, self.guard.decide_result, call, blocks, doc, record), call)
+            called = await _call_recorded(self.guard, call, record)
+            return await _durable(await self._answered(call, called, fetch), call)
         except ScreeningError as exc:
             raise MCPError(types.INTERNAL_ERROR, f"lethe could not screen this {what}: {exc}") from exc
+
+    async def _answered(self, call: Call, called: Called,
+                        fetch: Callable[[], Awaitable[types.CallToolResult]]) -> Pending:
+        """The upstream's answer to a recorded call, screened and queued; or, if there is none to
+        give, the reason queued as the call's outcome: an upstream failure (the agent's error waits
+        for its record), or a caller gone or a screening failed (queued, not waited for: the
+        handler is ending)."""
+        upstream_started = time.perf_counter()
+        try:
+            blocks = await fetch()
+            call.spent["upstream"] = time.perf_counter() - upstream_started
+            doc = Document.of_result(blocks)
+            return await self._guarded(doc, self.guard.decide_result, call, blocks, doc, called)
+        except UpstreamError as exc:
+            await _durable(self.guard.unanswered(call, called, "upstream_error", str(exc)), call)
+            raise MCPError(UPSTREAM_FAILED, str(exc)) from exc
+        except BaseException as exc:
+            rule = "screening_failed" if isinstance(exc, ScreeningError) else "caller_gone"
+            self.guard.unanswered(call, called, rule, type(exc).__name__)
+            raise
+
+
+async def _call_recorded(guard: Guard, call: Call, record: dict[str, Any]) -> Called:
+    """Wait, on the event loop, until an allowed call's record is durable; before then nothing goes upstream."""
+    queued_at = time.perf_counter()
+    try:
+        return Called(record, await _committed(guard.record_call(record)))
+    except Exception as exc:
+        raise call_unrecorded(call, exc) from exc
+    finally:
+        _spent_committing(call, queued_at)
+
+
+def _spent_committing(call: Call, queued_at: float) -> None:
+    call.spent["commit"] = call.spent.get("commit", 0.0) + time.perf_counter() - queued_at
 
 
 def _read_route(upstream: str, _item: Any) -> str:
@@ -323,7 +363,7 @@ async def _durable(pending: Pending, call: Call) -> Outcome:
     except Exception as exc:
         raise pending.failed(exc) from exc
     finally:
-        call.spent["commit"] = time.perf_counter() - pending.queued_at
+        _spent_committing(call, pending.queued_at)
     return pending.outcome(index)
 
 
@@ -356,7 +396,7 @@ def _committed(future: Future[int]) -> Awaitable[int]:
 def _stamped(outcome: Outcome, call: Call, started: float) -> types.CallToolResult:
     """The result with the decision in `_meta` (the crossing id an auditor looks up, and the proxy's
     own time: the handler's wall time less the upstream's and the gate's; of it, the wait for the
-    durable commit of the decision's records)."""
+    durable commits of the call's and the decision's records)."""
     return outcome.result.model_copy(update={"meta": {**(outcome.result.meta or {}), **_meta(outcome, call, started)}})
 
 

@@ -37,7 +37,7 @@ PIPELINE = 2  # batches a `LoopRecorder` keeps in flight: the writer starts the 
 
 @dataclass
 class _Entry:
-    crossing: Crossing
+    crossing: Crossing | None  # None: records alone (an MCP call's, committed before its upstream is called)
     withhold: list[str]
     records: list[dict[str, Any]]
     done: Future[int] = field(default_factory=Future)
@@ -75,7 +75,7 @@ def local_writer(ledger: Ledger, audit: AuditLog, wait: bool = True) -> Writer:
 
 
 def _arguments(batch: list[_Entry]) -> tuple[Rows, list[dict[str, Any]]]:
-    return [(e.crossing, e.withhold) for e in batch], [r for e in batch for r in e.records]
+    return [(e.crossing, e.withhold) for e in batch if e.crossing is not None], [r for e in batch for r in e.records]
 
 
 def _resolve(batch: list[_Entry], indices: list[int] | BaseException) -> None:
@@ -90,7 +90,7 @@ def _resolve(batch: list[_Entry], indices: list[int] | BaseException) -> None:
         e.done.set_result(indices[end - 1])
 
 
-def _entry(crossing: Crossing, withhold: Iterable[str], records: list[dict[str, Any]]) -> _Entry:
+def _entry(crossing: Crossing | None, withhold: Iterable[str], records: list[dict[str, Any]]) -> _Entry:
     entry = _Entry(crossing, list(withhold), records)
     entry.done.set_running_or_notify_cancel()  # a caller that gives up cannot cancel the commit of its records
     return entry
@@ -112,7 +112,8 @@ class Recorder:
         """Nothing to start: the thread starts with the first submission."""
         yield
 
-    def submit(self, crossing: Crossing, withhold: Iterable[str], records: list[dict[str, Any]]) -> Future[int]:
+    def submit(self, crossing: Crossing | None, withhold: Iterable[str],
+               records: list[dict[str, Any]]) -> Future[int]:
         entry = _entry(crossing, withhold, records)
         self._ensure_thread()
         self._queue.put(entry)
@@ -260,7 +261,8 @@ class LoopRecorder:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
 
-    def submit(self, crossing: Crossing, withhold: Iterable[str], records: list[dict[str, Any]]) -> Future[int]:
+    def submit(self, crossing: Crossing | None, withhold: Iterable[str],
+               records: list[dict[str, Any]]) -> Future[int]:
         entry = _entry(crossing, withhold, records)
         loop = self._loop
         if loop is None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import anyio
 
-from audit import AuditLog
+from audit import AuditError, AuditLog
 from gate import Gate
 from ledger import Ledger
 from policies import PolicyEngine
@@ -29,7 +29,10 @@ def build(settings: Settings, upstream_flags: list[str] | None = None,
         mcp = McpSettings.from_settings(s, upstream_flags)
     except UpstreamConfigError as exc:  # a configuration slip: one line, no traceback
         raise SystemExit(f"lethe mcp: {exc}") from None
-    ledger, audit = stores(s)  # before the writer starts: its stores open the same key and databases
+    try:
+        ledger, audit = stores(s)  # before the writer starts: its stores open the same key and databases
+    except AuditError as exc:  # e.g. a write lock held past its timeout: one line naming the fix
+        raise SystemExit(f"lethe mcp: {exc}") from None
     policy = PolicyEngine(s.policy_dir, backend=s.policy_backend, opa_url=s.opa_url, timeout_s=s.opa_timeout_s,
                           retries=s.opa_retries)
     guard = Guard(Gate(gitleaks_config=s.gitleaks_config), policy, ledger, audit, mcp.max_result_bytes,

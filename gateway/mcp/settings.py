@@ -90,6 +90,7 @@ class McpSettings(BaseModel):
     call_timeout_s: float = 30.0
     connect_timeout_s: float = 20.0
     max_result_bytes: int = 1_000_000
+    session_idle_s: float = 1800.0
 
     @model_validator(mode="after")
     def _unique(self) -> "McpSettings":
@@ -109,7 +110,8 @@ class McpSettings(BaseModel):
         try:
             return cls(upstreams=specs, call_timeout_s=settings.mcp_call_timeout_s,
                        connect_timeout_s=settings.mcp_connect_timeout_s,
-                       max_result_bytes=settings.mcp_max_result_bytes)
+                       max_result_bytes=settings.mcp_max_result_bytes,
+                       session_idle_s=settings.mcp_session_idle_s)
         except ValidationError as exc:
             raise _one_line("", exc) from None
 

@@ -30,6 +30,7 @@ from ..tenants import Principal, TenantStore
 from .proxy import Caller, Proxy
 
 PRINCIPAL, SESSION = "lethe.principal", "lethe.session"
+DEFAULT_PAGE, MAX_PAGE = 100, 1000  # crossings a listing page holds
 
 
 async def serve_stdio(proxy: Proxy, principal: Principal, session_id: str | None) -> None:
@@ -98,7 +99,9 @@ class TenantAuth:
 
 
 def http_app(proxy: Proxy, tenants: TenantStore, host: str = "127.0.0.1") -> ASGIApp:
-    """The MCP endpoint at `/mcp`, and `GET /v1/mcp/crossings`: the caller's tenant's decisions."""
+    """The MCP endpoint at `/mcp`, and `GET /v1/mcp/crossings`: the caller's tenant's decisions,
+    oldest first, a page at a time (`?limit=`, at most `MAX_PAGE`; `?after=` the `next` of the
+    page before, null on the last)."""
 
     async def crossings(request: Request) -> JSONResponse:
         """404 for a session the caller cannot see (another tenant's, another user's, unknown), as
@@ -108,15 +111,26 @@ def http_app(proxy: Proxy, tenants: TenantStore, host: str = "127.0.0.1") -> ASG
         if session is not None and not await anyio.to_thread.run_sync(proxy.sees_session, principal, session):
             return _error(404, "session_not_found", f"session {session!r} not found for this caller; list "
                                                     "crossings without ?session=, or use a session id of your own")
-        rows = await anyio.to_thread.run_sync(proxy.crossings_seen, principal, session)
-        return JSONResponse({"crossings": [r.to_dict() for r in rows]})
+        try:
+            limit = int(request.query_params.get("limit", DEFAULT_PAGE))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= MAX_PAGE:
+            return _error(400, "invalid_limit", f"limit must be a whole number from 1 to {MAX_PAGE}")
+        try:
+            rows, after = await anyio.to_thread.run_sync(proxy.crossings_seen, principal, session,
+                                                         request.query_params.get("after"), limit)
+        except LookupError:
+            return _error(400, "invalid_cursor", "`after` is not a crossing of this tenant; pass the `next` "
+                                                 "value of the page before, or leave it out for the first page")
+        return JSONResponse({"crossings": [r.to_dict() for r in rows], "next": after})
 
     server = proxy.server(_http_caller)
     # JSON responses, not SSE: the proxy's handlers send no progress or other notifications, so a
     # stream would only cost a task group and a channel per request. A handler is then not
     # cancelled when its client hangs up: the decision is still recorded, and the reply dropped.
     inner: Starlette = server.streamable_http_app(
-        host=host, json_response=True,
+        host=host, json_response=True, session_idle_timeout=proxy.settings.session_idle_s,
         custom_starlette_routes=[Route("/v1/mcp/crossings", crossings, methods=["GET"])])
     serve_sessions = inner.router.lifespan_context
 

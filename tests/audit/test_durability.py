@@ -153,3 +153,58 @@ def test_an_append_that_must_not_wait_finds_a_held_lock_busy_at_once_and_writes_
     assert len(alongside) == 1 and log.get(1).body["segment_id"] == "seg-2"
     _check_log(log, url, tmp_path, signer)
     log.close()
+
+
+@pytest.mark.parametrize("how", ["deleted", "replaced"])
+def test_a_sqlite_file_deleted_or_replaced_under_an_open_log_refuses_every_append(how, signer, record, tmp_path):
+    """SQLite goes on writing into an unlinked file, which no one can read back (a red team deleted
+    the database under a running proxy and its records were lost). Every append through a
+    connection opened on the old file fails, naming the fix, and a restart uses the file found."""
+    from audit import AuditError
+
+    path = tmp_path / "audit.db"
+    url = f"sqlite:///{path}"
+    log = AuditLog(url, signer, batch_size=8)
+    log.append(record(0))
+    backup = tmp_path / "backup.db"
+    with sa.create_engine(url).connect() as conn:
+        conn.exec_driver_sql(f"VACUUM INTO '{backup}'")
+    for f in tmp_path.glob("audit.db*"):
+        f.unlink()
+    if how == "replaced":
+        backup.rename(path)
+    for n in (1, 2):
+        with pytest.raises(AuditError, match=f"audit.db was {how} after this process opened it"):
+            log.append(record(n))
+    log.close()
+    reopened = AuditLog(url, signer, batch_size=8)
+    assert reopened.size == (1 if how == "replaced" else 0)
+    reopened.append(record(3))
+    _check_log(reopened, url, tmp_path, signer)
+    reopened.close()
+
+
+def test_opening_a_log_whose_lock_stays_held_says_so_and_names_the_fix(signer, record, tmp_path, monkeypatch):
+    """Red team F11: a proxy started while another process held the lock waited a silent minute and
+    died with a driver traceback. It now says at once that it waits, and past the busy timeout
+    fails with an AuditError that names the fix (`lethe mcp` prints it as one line)."""
+    import structlog
+
+    from audit import AuditError, db
+
+    url = f"sqlite:///{tmp_path / 'audit.db'}"
+    AuditLog(url, signer).close()  # the file exists; another process now holds its lock
+    monkeypatch.setattr(db, "BUSY_TIMEOUT_MS", 500)
+    engine, holder = _held_elsewhere(url)
+    try:
+        with structlog.testing.capture_logs() as logs, \
+                pytest.raises(AuditError, match="write lock stayed held by another process for 0.5 s.*fuser"):
+            AuditLog(url, signer)
+        assert [e["event"] for e in logs if e["log_level"] == "warning"] == ["audit.waiting_for_write_lock"]
+    finally:
+        holder.exec_driver_sql("ROLLBACK")
+        holder.close()
+        engine.dispose()
+    log = AuditLog(url, signer)  # released: opens
+    log.append(record(0))
+    log.close()

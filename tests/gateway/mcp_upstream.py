@@ -1,7 +1,7 @@
 """A small upstream MCP server the proxy tests start as a real process (stdio, or HTTP with --port).
 
 Its tools are the situations the proxy must handle: a web page carrying a hidden injection, a
-credentials file, a clean result, an image, structured output, a crash, a hang, a huge result,
+credentials file, a clean result, a side effect (`touch`), an image, structured output, a crash, a hang, a huge result,
 and results that lie (an injection in an embedded resource, a tool named like another one). Its
 resources are a clean note, the credentials file, the page with the injection and an image, a
 document template, and a resource, a template and a prompt whose descriptions carry an injection;
@@ -45,6 +45,14 @@ def read_file(path: str) -> str:
 def weather(city: str) -> str:
     """Current weather."""
     return CLEAN
+
+
+@server.tool()
+def touch(path: str) -> str:
+    """Append a line to a file: a side effect the tests can see, to tell whether a call reached here."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("called\n")
+    return "done"
 
 
 @server.tool()

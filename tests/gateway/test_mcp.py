@@ -76,6 +76,9 @@ class Deployment:
                                                        "--upstream", f"fx={PY} {FIXTURE}"], env=self.env)
 
 
+SESSION_IDLE_S = 8  # short, for the expiry test; every other test's session is busy for its life
+
+
 def _wait_port(port: int, proc: subprocess.Popen[bytes], seconds: float = 90) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -96,6 +99,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
     (bundle / "data" / "tenants.json").write_text(json.dumps({"lethe": {"tenants": {"globex": GLOBEX}}}))
     env = {**os.environ, "LETHE_DATA_DIR": str(data), "LETHE_POLICY_DIR": str(bundle), "LETHE_LOG_JSON": "true",
            "LETHE_MCP_CALL_TIMEOUT_S": "3", "LETHE_MCP_MAX_RESULT_BYTES": "1000000",
+           "LETHE_MCP_SESSION_IDLE_S": str(SESSION_IDLE_S),
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     tenants = TenantStore.from_url(f"sqlite:///{data / 'lethe.db'}")
     for name in ("acme", "globex"):
@@ -408,6 +412,58 @@ def test_where_the_tenancy_is_per_user_a_user_lists_only_its_own_crossings(deplo
     assert not {c["id"] for c in own} & {c["id"] for c in agents}
 
 
+def test_the_crossings_listing_pages_through_every_crossing_once_in_order(deployment: Deployment,
+                                                                           http_run: dict[str, Any]) -> None:
+    """Red team F6: one response held a busy tenant's whole log (12.9 MB). Pages of `limit`
+    follow `next` to the end: every crossing once, oldest first; a bad limit or another tenant's
+    cursor is a 400 naming the fix."""
+    crossings = f"http://127.0.0.1:{PROXY_PORT}/v1/mcp/crossings"
+    auth = {"Authorization": f"Bearer {deployment.keys['acme']}"}
+    whole = [c.id for c in deployment.ledger().crossings.list("acme")
+             if c.meta.get("actor") == "acme:agent"]
+    assert len(whole) > 6
+    seen: list[str] = []
+    after = None
+    while True:
+        page = httpx.get(crossings, params={"limit": 3, **({"after": after} if after else {})}, headers=auth).json()
+        assert len(page["crossings"]) <= 3
+        seen += [c["id"] for c in page["crossings"]]
+        after = page["next"]
+        if after is None:
+            break
+    assert seen == whole
+    for limit in ("0", "1001", "ten"):
+        bad = httpx.get(crossings, params={"limit": limit}, headers=auth)
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_limit"
+    theirs = httpx.get(crossings, headers={"Authorization": f"Bearer {deployment.keys['globex']}"}).json()
+    foreign = theirs["crossings"][0]["id"] if theirs["crossings"] else "crs_nonexistent"
+    bad = httpx.get(crossings, params={"after": foreign}, headers=auth)
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_cursor"
+
+
+def test_a_per_user_callers_pages_hold_only_its_own_crossings(deployment: Deployment,
+                                                              http_run: dict[str, Any]) -> None:
+    """Another user's crossings are filtered out page by page: a user with one call among the
+    agent's many gets it, and nothing else, however small the page."""
+    crossings = f"http://127.0.0.1:{PROXY_PORT}/v1/mcp/crossings"
+    trent = TenantStore.from_url(deployment.db_url).create_key("acme", user="trent")
+    http, client = http_client(f"http://127.0.0.1:{PROXY_PORT}/mcp", trent)
+
+    async def call() -> None:
+        async with http, client:
+            await client.call_tool("fx__weather", {"city": "Oslo"})
+    anyio.run(call)
+    seen, after = [], None
+    for _ in range(100):
+        page = httpx.get(crossings, params={"limit": 2, **({"after": after} if after else {})},
+                         headers={"Authorization": f"Bearer {trent}"}).json()
+        seen += page["crossings"]
+        after = page["next"]
+        if after is None:
+            break
+    assert [(c["tool"], c["meta"]["actor"]) for c in seen] == [("fx__weather", "acme:trent")]
+
+
 def test_non_text_rules_are_per_tenant(deployment: Deployment, http_run: dict[str, Any]) -> None:
     """globex's policy lets images through; acme's identical call (default policy) withholds them."""
     globex = anyio.run(_over_http, deployment, "globex", [("image", "fx__screenshot", {})])
@@ -638,3 +694,21 @@ def test_an_mcp_session_answers_only_the_tenant_and_user_that_opened_it(deployme
     own = httpx.post(url, headers=as_(acme, session), json=call, timeout=60)
     assert own.status_code == 200 and own.json()["result"]["content"], own.text
     assert httpx.delete(url, headers=as_(acme, session)).status_code == 200
+
+
+def test_an_idle_mcp_session_is_closed(deployment: Deployment) -> None:
+    """Red team F11: sessions were never expired. One with no request for LETHE_MCP_SESSION_IDLE_S
+    is closed: its next request is a 404, as the MCP specification has a client start over."""
+    url = f"http://127.0.0.1:{PROXY_PORT}/mcp"
+    headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json",
+               "Authorization": f"Bearer {deployment.keys['acme']}"}
+    opened = httpx.post(url, headers=headers, json={
+        "jsonrpc": "2.0", "id": 1, "method": "initialize",
+        "params": {"protocolVersion": LATEST_HANDSHAKE_VERSION, "capabilities": {},
+                   "clientInfo": {"name": "idle", "version": "1"}}})
+    session = {**headers, "mcp-session-id": opened.headers["mcp-session-id"],
+               "mcp-protocol-version": LATEST_HANDSHAKE_VERSION}
+    ping = {"jsonrpc": "2.0", "id": 2, "method": "ping"}
+    assert httpx.post(url, headers=session, json=ping).status_code == 200
+    time.sleep(SESSION_IDLE_S + 2)
+    assert httpx.post(url, headers=session, json=ping).status_code == 404

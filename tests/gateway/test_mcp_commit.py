@@ -129,7 +129,45 @@ def test_concurrent_calls_each_commit_exactly_one_crossing_and_their_records(tmp
         assert (record.body["kind"], record.body["crossing"]) == ("mcp-result", s["crossing"])
         assert record.body["decision"]["action"] == s["action"] == crossings[s["crossing"]].action
     assert Counter(s["action"] for s in stamps) == {"allow": 8, "redact": 4}
-    assert len({r.time for r in records}) < CALLS + 1  # calls queued at one lock shared a transaction
+    # the calls' records queued at one lock shared a transaction; each is in the log before its result
+    assert len({r.time for r in records if r.body["kind"] == "mcp-call"}) < CALLS + 1
+    index = {(r.body["crossing"], r.body["kind"]): r.index for r in records}
+    assert all(index[(c, "mcp-call")] < index[(c, "mcp-result")] for c in crossings)
+    _verifies(audit, tmp_path)
+
+
+def test_a_call_whose_record_fails_to_commit_never_reaches_the_upstream(tmp_path: Path, writer: str) -> None:
+    """Red team F4: the call's record is durable before the upstream is called, so a call the
+    proxy could not record was never made (the fixture's `touch` leaves no file)."""
+    proxy, ledger, audit, db = _stores(tmp_path, writer)
+    touched = tmp_path / "touched"
+    results = _concurrently(proxy, [("fx__touch", {"path": str(touched)}) for _ in range(CALLS)], db,
+                            while_locked=FAIL_AUDIT)
+    for result, error in results:
+        assert result is None and error is not None
+        assert "lethe could not screen this call: the call could not be recorded (IntegrityError); " \
+               "the upstream was not called" in error
+    assert not touched.exists()
+    # all or nothing: only the warm-up call's crossing and records
+    assert [c.tool for c in ledger.crossings.list("acme")] == ["fx__weather"] and audit.size == 2
+
+
+def test_a_result_whose_record_fails_to_commit_is_not_passed_on_and_its_call_stays_recorded(
+        tmp_path: Path, writer: str) -> None:
+    """The call's record committed, the upstream ran, the result's commit failed: the agent gets an
+    error naming the call's audit record, never the result, and the log still names the call."""
+    proxy, ledger, audit, db = _stores(tmp_path, writer)
+    touched = tmp_path / "touched"
+    results = _concurrently(proxy, [("fx__touch", {"path": str(touched)})], db,
+                            while_locked=FAIL_AUDIT.replace("BEFORE INSERT ON audit_records",
+                                                            "BEFORE INSERT ON audit_records WHEN NEW.kind = 'mcp-result'"))
+    [(result, error)] = results
+    assert result is None and error is not None and "done" not in error
+    assert touched.read_text() == "called\n"
+    calls = [r for r in audit.list(tenant="acme", limit=100) if r.body["tool"] == "fx__touch"]
+    assert [r.body["kind"] for r in calls] == ["mcp-call"]
+    assert f"the upstream was called (audit record {calls[0].index}) but nothing of its result was passed on" in error
+    assert calls[0].body["crossing"] not in {c.id for c in ledger.crossings.list("acme")}
     _verifies(audit, tmp_path)
 
 
@@ -139,7 +177,7 @@ def test_a_failed_commit_fails_every_waiting_call_and_records_nothing_of_it(tmp_
                             while_locked=FAIL_AUDIT)
     for result, error in results:
         assert result is None and error is not None
-        assert "lethe could not screen this call: the decision could not be recorded (IntegrityError)" in error
+        assert "lethe could not screen this call: the call could not be recorded (IntegrityError)" in error
         assert "AKIA" not in error and "REDACTED" not in error  # neither the result nor its redaction
     # all or nothing: only the warm-up call's crossing and records; the failed calls' crossings,
     # written in the same transaction as their audit records, were rolled back with them
@@ -534,3 +572,50 @@ def test_under_a_lock_held_past_the_commit_timeout_every_call_fails_at_its_own_t
     failures, index = anyio.run(go)
     assert all(isinstance(f, WriterError) and f.kind == "commit timed out" for f in failures), failures
     assert [audit.get(i).body["n"] for i in range(audit.size)] == [0, 4] and audit.get(index).body["n"] == 4
+
+
+def test_a_call_its_caller_abandons_still_gets_its_outcome_recorded(tmp_path: Path) -> None:
+    """Red team F4: an agent that gives up on a call the upstream is running (the MCP client
+    cancels it) leaves the call's record and a crossing that says the caller went away: the
+    upstream ran, and the log says so and what became of it."""
+    proxy, ledger, audit, _ = _stores(tmp_path, "inline-first")
+
+    async def go() -> None:
+        async with proxy.running(), Client(proxy.server(lambda _ctx: ACME)) as client:
+            with anyio.move_on_after(1):
+                await client.call_tool("fx__hang", {})
+            for _ in range(100):  # the cancellation reaches the proxy's handler asynchronously
+                if any(c.tool == "fx__hang" for c in ledger.crossings.list("acme")):
+                    break
+                await anyio.sleep(0.1)
+    anyio.run(go)
+    [crossing] = [c for c in ledger.crossings.list("acme") if c.tool == "fx__hang"]
+    assert crossing.action == "quarantine" and crossing.meta["decision"]["reasons"] == ["caller_gone: CancelledError"]
+    records = {r.body["kind"]: r for r in audit.list(tenant="acme", limit=100) if r.body["tool"] == "fx__hang"}
+    assert set(records) == {"mcp-call", "mcp-result"}
+    assert records["mcp-call"].body["crossing"] == records["mcp-result"].body["crossing"] == crossing.id
+    assert crossing.meta["call"]["audit_index"] == records["mcp-call"].index
+    _verifies(audit, tmp_path)
+
+
+def test_a_database_deleted_under_the_proxy_fails_every_call_and_none_reaches_the_upstream(
+        tmp_path: Path, writer: str) -> None:
+    """Red team F9: records committed into a database file deleted under the proxy were lost.
+    Each call now fails at its record's commit, naming the file, and never reaches the upstream."""
+    proxy, _, _, db = _stores(tmp_path, writer)
+    touched = tmp_path / "touched"
+    out: list[str] = []
+
+    async def go() -> None:
+        async with proxy.running(), Client(proxy.server(lambda _ctx: ACME)) as client:
+            await client.call_tool("fx__weather", {"city": "Oslo"})  # the stores are open
+            for f in tmp_path.glob("lethe.db*"):
+                f.unlink()
+            for _ in range(2):
+                with pytest.raises(Exception) as raised:
+                    await client.call_tool("fx__touch", {"path": str(touched)})
+                out.append(str(raised.value))
+    anyio.run(go)
+    for error in out:
+        assert "the call could not be recorded (AuditError); the upstream was not called" in error
+    assert not touched.exists()
