@@ -24,9 +24,11 @@ HEAVY_ROUTES = frozenset({"/v1/chat/completions"})
 
 
 class Guard:
-    def __init__(self, app: ASGIApp, *, max_body: int, max_inflight: int, metrics: Metrics) -> None:
+    def __init__(self, app: ASGIApp, *, max_body: int, max_inflight: int, metrics: Metrics,
+                 heavy_routes: frozenset[str] = HEAVY_ROUTES) -> None:
         self.app = app
         self.max_body = max_body
+        self.heavy_routes = heavy_routes  # the routes `max_inflight` bounds
         self.max_inflight = max_inflight
         self.metrics = metrics
         self.inflight = 0
@@ -52,13 +54,13 @@ class Guard:
                 body, refusal = await self._read_body(receive)
             if refusal is not None:
                 return await _refuse(send_with_id, refusal)
-            heavy = route in HEAVY_ROUTES
+            heavy = route in self.heavy_routes
             if heavy and self.inflight >= self.max_inflight:
                 return await _refuse(send_with_id, GatewayError(
                     503, "overloaded", f"{self.inflight} requests in flight; retry later", retry_after=1))
             self.inflight += heavy
             try:
-                await self.app(scope, _replay(body, receive), send_with_id)
+                await self.app(scope, replay_body(body, receive), send_with_id)
             finally:
                 self.inflight -= heavy
         except Exception as exc:  # the catch-all: one structured line, the OpenAI shape out
@@ -100,7 +102,7 @@ class Guard:
                 return b"".join(chunks), None
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
+def replay_body(body: bytes, receive: Receive) -> Receive:
     """The body as one message, then the server's own `receive` (which reports a disconnect)."""
     sent = False
 

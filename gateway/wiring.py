@@ -31,6 +31,7 @@ from .config import Settings
 from .errors import GatewayError, error_response
 from .metrics import Metrics
 from .service import Components, Gateway
+from .storefiles import refuse_unwritable
 from .tenants import TenantStore
 
 log = structlog.get_logger(__name__)
@@ -81,6 +82,7 @@ def open_signer(settings: Settings) -> Signer:
 def build_state(settings: Settings) -> AppState:
     """Everything but the model: stores, policy, gate. Cheap enough to do before serving."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)
+    refuse_unwritable((settings.db_url, settings.audit_db_url))
     return AppState(
         settings=settings,
         tenants=TenantStore.from_url(settings.db_url, settings.admin_key),

@@ -91,6 +91,7 @@ class McpSettings(BaseModel):
     connect_timeout_s: float = 20.0
     max_result_bytes: int = 1_000_000
     session_idle_s: float = 1800.0
+    max_body_bytes: int = 2_000_000  # an HTTP request's body (LETHE_MAX_BODY_BYTES, as the chat endpoint's)
 
     @model_validator(mode="after")
     def _unique(self) -> "McpSettings":
@@ -111,7 +112,7 @@ class McpSettings(BaseModel):
             return cls(upstreams=specs, call_timeout_s=settings.mcp_call_timeout_s,
                        connect_timeout_s=settings.mcp_connect_timeout_s,
                        max_result_bytes=settings.mcp_max_result_bytes,
-                       session_idle_s=settings.mcp_session_idle_s)
+                       session_idle_s=settings.mcp_session_idle_s, max_body_bytes=settings.max_body_bytes)
         except ValidationError as exc:
             raise _one_line("", exc) from None
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import anyio
 import mcp.types as types
+import pydantic_core
 from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
 from mcp.server.auth.provider import AccessToken
 from mcp.server.stdio import stdio_server
@@ -26,6 +27,9 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ..metrics import Metrics
+from ..middleware import Guard as HttpGuard
+from ..middleware import replay_body
 from ..tenants import Principal, TenantStore
 from .proxy import Caller, Proxy
 
@@ -98,6 +102,43 @@ class TenantAuth:
         await response(scope, receive, send)
 
 
+def _bad_id(message: Any) -> bool:
+    """A JSON-RPC message whose `id` is there but neither a string nor an integer (MCP forbids null)."""
+    if not isinstance(message, dict) or "id" not in message:
+        return False
+    rid = message["id"]
+    return isinstance(rid, bool) or not isinstance(rid, (str, int))
+
+
+class RequestIds:
+    """ASGI middleware: a JSON-RPC message whose `id` is an object, an array, null, a fraction or a
+    boolean is an invalid request (JSON-RPC 2.0 section 4; MCP: a string or an integer, never
+    null), answered 400 with error -32600. The SDK would read it as a notification, answer 202 and
+    drop it (red team F11): the client never learns its call was not made. Runs behind the
+    body-reading middleware, so the body arrives as one message, which is replayed to the app."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        message = await receive()
+        body = message.get("body", b"")
+        try:
+            parsed = pydantic_core.from_json(body)
+        except ValueError:
+            parsed = None  # the SDK answers a parse error itself
+        if not any(_bad_id(m) for m in (parsed if isinstance(parsed, list) else [parsed])):
+            await self.app(scope, replay_body(body, receive), send)
+            return
+        await JSONResponse({"jsonrpc": "2.0", "id": None, "error": {
+            "code": types.INVALID_REQUEST, "message": "Invalid Request: a JSON-RPC id must be a string or an "
+                                                      "integer (MCP allows no null); nothing was called"}},
+            status_code=400)(scope, receive, send)
+
+
 def http_app(proxy: Proxy, tenants: TenantStore, host: str = "127.0.0.1") -> ASGIApp:
     """The MCP endpoint at `/mcp`, and `GET /v1/mcp/crossings`: the caller's tenant's decisions,
     oldest first, a page at a time (`?limit=`, at most `MAX_PAGE`; `?after=` the `next` of the
@@ -140,4 +181,7 @@ def http_app(proxy: Proxy, tenants: TenantStore, host: str = "127.0.0.1") -> ASG
             yield
 
     inner.router.lifespan_context = lifespan
-    return TenantAuth(inner, tenants)
+    # Outermost: every body read once, whatever its framing, up to LETHE_MAX_BODY_BYTES (413 past
+    # it), an access log line, and any unexpected error in the OpenAI shape; then the key; then ids.
+    return HttpGuard(TenantAuth(RequestIds(inner), tenants), max_body=proxy.settings.max_body_bytes,
+                     max_inflight=0, metrics=Metrics(), heavy_routes=frozenset())

@@ -35,6 +35,7 @@ from ledger import Ledger
 
 from ..config import Settings
 from ..logging import configure_logging
+from ..storefiles import refuse_unwritable
 from .recorder import Rows, local_writer
 
 _LENGTH = struct.Struct("!I")
@@ -54,6 +55,7 @@ def stores(settings: Settings) -> tuple[Ledger, AuditLog]:
     """This deployment's ledger and audit log (the chat endpoint's own stores)."""
     s = settings
     s.data_dir.mkdir(parents=True, exist_ok=True)
+    refuse_unwritable((s.db_url, s.audit_db_url))
     ledger = Ledger(s.db_url, check_invariants=s.debug)
     signer = Signer.from_pem(s.audit_key_pem) if s.audit_key_pem else \
         Signer.load_or_create(s.resolved("audit_key_path", "audit-key.pem"))

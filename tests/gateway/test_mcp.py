@@ -712,3 +712,57 @@ def test_an_idle_mcp_session_is_closed(deployment: Deployment) -> None:
     assert httpx.post(url, headers=session, json=ping).status_code == 200
     time.sleep(SESSION_IDLE_S + 2)
     assert httpx.post(url, headers=session, json=ping).status_code == 404
+
+
+def _opened(deployment: Deployment, name: str) -> dict[str, str]:
+    """The headers of a fresh, initialized MCP session of acme's key, for hand-written requests."""
+    url = f"http://127.0.0.1:{PROXY_PORT}/mcp"
+    headers = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json",
+               "Authorization": f"Bearer {deployment.keys['acme']}"}
+    opened = httpx.post(url, headers=headers, json={
+        "jsonrpc": "2.0", "id": 1, "method": "initialize",
+        "params": {"protocolVersion": LATEST_HANDSHAKE_VERSION, "capabilities": {},
+                   "clientInfo": {"name": name, "version": "1"}}})
+    session = {**headers, "mcp-session-id": opened.headers["mcp-session-id"],
+               "mcp-protocol-version": LATEST_HANDSHAKE_VERSION}
+    httpx.post(url, headers=session, json={"jsonrpc": "2.0", "method": "notifications/initialized"})
+    return session
+
+
+@pytest.mark.parametrize("rid", [{"a": 1}, [2], None, 1.5, True], ids=["object", "array", "null", "fraction", "bool"])
+def test_a_request_whose_id_is_not_a_string_or_an_integer_is_invalid_and_nothing_is_called(
+        deployment: Deployment, tmp_path: Path, rid: Any) -> None:
+    """Red team F11: the SDK took `"id": {...}` for a notification, answered 202 and dropped it, so
+    the client never learnt that its call was not made. It is a JSON-RPC invalid request: 400, -32600."""
+    url = f"http://127.0.0.1:{PROXY_PORT}/mcp"
+    session = _opened(deployment, "ids")
+    touched = tmp_path / "touched"
+    call = {"jsonrpc": "2.0", "id": rid, "method": "tools/call",
+            "params": {"name": "fx__touch", "arguments": {"path": str(touched)}}}
+    refused = httpx.post(url, headers=session, json=call)
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["code"] == types.INVALID_REQUEST and refused.json()["id"] is None
+    time.sleep(0.5)
+    assert not touched.exists()
+    made = httpx.post(url, headers=session, json={**call, "id": 7}, timeout=60)
+    assert made.status_code == 200 and made.json()["id"] == 7, made.text
+    assert touched.read_text() == "called\n"
+
+
+def test_a_body_over_the_limit_is_refused_413_whatever_its_framing(deployment: Deployment) -> None:
+    """The MCP endpoint read any body whole, however large. Past LETHE_MAX_BODY_BYTES (2 MB by
+    default, the chat endpoint's) it is refused with 413: declared (Content-Length) or chunked."""
+    url = f"http://127.0.0.1:{PROXY_PORT}/mcp"
+    session = _opened(deployment, "huge")
+    body = json.dumps({"jsonrpc": "2.0", "id": 3, "method": "tools/call",
+                       "params": {"name": "fx__echo", "arguments": {"text": "x" * 2_100_000}}}).encode()
+    declared = httpx.post(url, headers=session, content=body, timeout=60)
+
+    def chunks() -> Iterator[bytes]:
+        for start in range(0, len(body), 65536):
+            yield body[start:start + 65536]
+    chunked = httpx.post(url, headers=session, content=chunks(), timeout=60)
+    for response in (declared, chunked):
+        assert response.status_code == 413, response.text
+        assert response.json()["error"]["code"] == "body_too_large"
+    assert httpx.post(url, headers=session, json={"jsonrpc": "2.0", "id": 4, "method": "ping"}).status_code == 200
