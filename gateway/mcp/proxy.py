@@ -288,9 +288,9 @@ class Proxy:
         except UpstreamError as exc:
             await _durable(self.guard.unanswered(call, called, "upstream_error", str(exc)), call)
             raise MCPError(UPSTREAM_FAILED, str(exc)) from exc
-        except BaseException as exc:
-            rule = "screening_failed" if isinstance(exc, ScreeningError) else "caller_gone"
-            self.guard.unanswered(call, called, rule, type(exc).__name__)
+        except BaseException as exc:  # cancelled (the caller went away: not an Exception), or a failure here
+            self.guard.unanswered(call, called, "screening_failed" if isinstance(exc, Exception) else "caller_gone",
+                                  type(exc).__name__)
             raise
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,23 +23,23 @@ from ledger import Ledger
 from policies import PolicyEngine
 
 FIXTURE = Path(__file__).with_name("mcp_upstream.py")
-# gate scans before each phase of fx__weather: its definition is several parts (scanned as one
-# document, then glued for split secrets), its arguments and its result one part each
-DEFINITION, ARGUMENTS = 2, 1
+# what only one phase of fx__weather's screening reads: its definition, its arguments, its result
+DEFINITION, ARGUMENTS, RESULT = b"Current weather.", b'"Paris"', b"light rain"
 ACME = Caller(Principal("acme", "agent"), None)
 
 
 class FailingGate(Gate):
-    """Scans the first `good` documents, then raises (a corrupt rule database, an OOM...)."""
+    """Raises on any document holding `marker` (a corrupt rule database, an OOM...), scans the rest.
+    By content, not by count: the client's own list calls screen other tools' definitions at
+    moments of its choosing (a count once made the result's test fail on another definition)."""
 
-    def __init__(self, good: int) -> None:
+    def __init__(self, marker: bytes) -> None:
         super().__init__()
-        self.good = good
+        self.marker = marker
 
     def scan(self, data: bytes, **kw: Any):  # type: ignore[override]
-        if self.good <= 0:
+        if self.marker in data:
             raise RuntimeError("hyperscan scratch lost")
-        self.good -= 1
         return super().scan(data, **kw)
 
 
@@ -73,19 +74,29 @@ def _call(proxy: Proxy, name: str, args: dict[str, Any]) -> tuple[Any, str | Non
 
 
 def test_gate_failure_on_the_tools_definition_refuses_the_call(tmp_path: Path) -> None:
-    result, error = _call(_proxy(tmp_path, gate=FailingGate(good=0)), "fx__weather", {"city": "Paris"})
+    result, error = _call(_proxy(tmp_path, gate=FailingGate(DEFINITION)), "fx__weather", {"city": "Paris"})
     assert result is None and "lethe could not screen the definition of 'fx__weather': the gate failed (RuntimeError)" in error
 
 
 def test_gate_failure_on_arguments_refuses_the_call(tmp_path: Path) -> None:
-    result, error = _call(_proxy(tmp_path, gate=FailingGate(good=DEFINITION)), "fx__weather", {"city": "Paris"})
+    result, error = _call(_proxy(tmp_path, gate=FailingGate(ARGUMENTS)), "fx__weather", {"city": "Paris"})
     assert result is None and "lethe could not screen this call: the gate failed (RuntimeError)" in error
 
 
 def test_gate_failure_on_the_result_passes_nothing_on(tmp_path: Path) -> None:
-    result, error = _call(_proxy(tmp_path, gate=FailingGate(good=DEFINITION + ARGUMENTS)), "fx__weather",
+    result, error = _call(_proxy(tmp_path, gate=FailingGate(RESULT)), "fx__weather",
                           {"city": "Paris"})
-    assert result is None and "the gate failed" in error and "Paris: 18" not in error
+    assert result is None and "lethe could not screen this call: the gate failed (RuntimeError)" in error
+    assert "Paris: 18" not in error
+    # the call was made (its record came first), so its outcome is recorded: the screening failed
+    ledger = Ledger(f"sqlite:///{tmp_path / 'lethe.db'}")
+    for _ in range(50):  # queued as the handler ended, committed by the recorder's thread
+        crossings = [c for c in ledger.crossings.list("acme") if c.tool == "fx__weather" and c.action != "allow"]
+        if crossings:
+            break
+        time.sleep(0.1)
+    [crossing] = crossings
+    assert crossing.action == "quarantine" and crossing.meta["decision"]["reasons"] == ["screening_failed: ScreeningError"]
 
 
 def test_audit_failure_passes_nothing_on(tmp_path: Path) -> None:
