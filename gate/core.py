@@ -18,6 +18,7 @@ from .joined import JOIN_WINDOW, scan_joined
 from .learned import WEIGHTS_PATH, NgramScorer
 from .engine import require_hyperscan
 from .errors import GateError
+from .unwrap import readings
 from .secrets import Allowlist, SecretRule, SecretScanner, load_gitleaks, load_rules
 
 log = structlog.get_logger(__name__)
@@ -82,6 +83,13 @@ class Gate:
             moved = (replace(f, byte_start=reading.raw_offset(f.byte_start), byte_end=reading.raw_offset(f.byte_end))
                      for f in self.secrets.scan(reading.clean))
             secrets += [f for f in moved if (f.rule_id, f.byte_start, f.byte_end) not in seen]
+        for unwrapped in readings(doc.clean):  # escaped (a file in a JSON string) or base64-encoded
+            seen = {(f.rule_id, f.byte_start, f.byte_end) for f in secrets}
+            for f in self.secrets.scan(unwrapped.data):
+                s, e = unwrapped.raw_span(f.byte_start, f.byte_end)
+                if (f.rule_id, s, e) not in seen:
+                    seen.add((f.rule_id, s, e))
+                    secrets.append(replace(f, byte_start=s, byte_end=e))
         return secrets
 
     def scan_joined(self, parts: Sequence[bytes], *, window: int = JOIN_WINDOW,

@@ -8,6 +8,7 @@ spans that already look like credentials. Secret values never leave this module 
 from __future__ import annotations
 
 import base64
+import hashlib
 import binascii
 import json
 import math
@@ -106,11 +107,27 @@ def _random_case(value: str) -> bool:
 
 
 
+NAME_REACH = 40  # bytes before a match read by a context allowlist: the rest of the name it starts inside
+_BASE58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+
+
+def _bitcoin_wif(secret: str) -> bool:
+    """Base58check with version byte 0x80 (mainnet private key), 33 or 34 bytes of payload."""
+    n = 0
+    for ch in secret:
+        n = n * 58 + _BASE58.index(ch)
+    raw = n.to_bytes((n.bit_length() + 7) // 8, "big")
+    payload, check = raw[:-4], raw[-4:]
+    return len(payload) in (33, 34) and payload[0] == 0x80 and \
+        hashlib.sha256(hashlib.sha256(payload).digest()).digest()[:4] == check
+
+
 CHECKSUMS: dict[str, Callable[[str], bool]] = {
     "github-crc32": _github_crc32,
     "jwt": _jwt,
     "basic-auth": _basic_auth,
     "generic-value": _generic_value,
+    "bitcoin-wif": _bitcoin_wif,
 }
 
 
@@ -138,6 +155,9 @@ class SecretRule:
     checksum: str | None = None
     score: float = 0.9
     allowlist: Allowlist = field(default_factory=Allowlist)
+    # read against the whole match, name included (gitleaks's `regexTarget = "match"`): what the
+    # value is named says it is no credential (a CSRF token, a page cursor)
+    context_allowlist: Allowlist = field(default_factory=Allowlist)
     examples: tuple[str, ...] = ()
     counterexamples: tuple[str, ...] = ()
     source: str = "lethe"
@@ -166,7 +186,7 @@ def load_rules(path: Path = RULES_PATH) -> tuple[list[SecretRule], Allowlist]:
             secret_group=r.get("secret_group", 0), caseless=r.get("caseless", False),
             keywords=tuple(k.lower() for k in r.get("keywords", [])), entropy=r.get("entropy", 0.0),
             checksum=r.get("checksum"), score=r.get("score", 0.9),
-            allowlist=_allowlist(r.get("allowlist", {})),
+            allowlist=_allowlist(r.get("allowlist", {})), context_allowlist=_allowlist(r.get("context_allowlist", {})),
             examples=tuple(r.get("examples", [])), counterexamples=tuple(r.get("counterexamples", [])),
             global_allowlist=r.get("global_allowlist", True), window=r.get("window", 0),
         )
@@ -350,6 +370,14 @@ class SecretScanner:
                 out.append(Finding("secret", rule.id, "rules", s, e, rule.score, verdict))
         return out
 
+    @staticmethod
+    def _named_otherwise(rule: SecretRule, found: re.Match[bytes]) -> bool:
+        """The rule's context allowlist finds the match, or the name it starts inside
+        (`next_page_token` for a match from `_token`), a non-credential."""
+        start = found.start()
+        context = found.string[max(0, start - NAME_REACH):found.end()]
+        return rule.context_allowlist.allows(context.decode("utf-8", "replace"))
+
     def _confirm(self, rule: SecretRule, found: re.Match[bytes], group: int) -> str | None:
         """The masked secret if this match is a credential, else None."""
         if found.group(group) is None:
@@ -362,5 +390,7 @@ class SecretScanner:
         if rule.checksum and not CHECKSUMS[rule.checksum](secret):
             return None
         if (rule.global_allowlist and self.allowlist.allows(secret)) or rule.allowlist.allows(secret):
+            return None
+        if rule.context_allowlist.regexes and self._named_otherwise(rule, found):
             return None
         return mask(secret)

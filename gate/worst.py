@@ -7,6 +7,7 @@ the same input from 32 KB to the 256 KB tool-result limit and compare.
 
 from __future__ import annotations
 
+import base64
 import random
 from collections.abc import Callable
 
@@ -78,6 +79,18 @@ WORST_CASES: dict[str, Callable[[int], bytes]] = {
     "spaces": _repeat(" "),
     "backticks": _repeat("`"),
     "equals": _repeat("="),
+    # the secret rules' encoded readings (gate/unwrap.py) and the openers of the rules they feed
+    "escaped-newlines": _repeat("\\n"),
+    "escaped-backslashes": _repeat("\\\\"),
+    "unicode-escapes": _repeat("\\u0041"),
+    "percent-run": _repeat("%41%3D"),
+    "base64-text-run": lambda n: base64.b64encode(b"password = " + b"Kq7vLp2Xz " * (n // 13))[:n],
+    "base64-short-runs": _repeat("c2VjcmV0cGFzc3dvcmQx "),
+    "netrc-openers": _repeat("machine h login u "),
+    "name-value-openers": _repeat('name="api_token" '),
+    "literal-pair-openers": _repeat('"api_key", '),
+    "table-row-openers": _repeat("\napi_token   "),
+    "login-openers": _repeat("docker login -u a "),
     "random-bytes": _random_bytes,
     "random-unicode": _random_unicode,
 }

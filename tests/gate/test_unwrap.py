@@ -1,0 +1,71 @@
+"""The secret rules read escaped and base64-encoded text too (gate/unwrap.py), and every finding
+there reports the raw bytes it came from, so a redaction cuts the key where it stands."""
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+
+from gate import Gate
+from gate.redact import redact
+from gate.unwrap import readings
+
+KEY = "AKIAPTGZ6JFEBZSDOXRL"
+SECRET = "nHBdHIyvNLVlRXFwF8JlMaLNy02K35uDNHfkf7J8"
+CREDENTIALS = f"[default]\naws_access_key_id = {KEY}\naws_secret_access_key = {SECRET}\n"
+
+
+@pytest.fixture(scope="module")
+def gate() -> Gate:
+    return Gate(learned=False)
+
+
+def _found(gate: Gate, data: bytes) -> set[str]:
+    return {f.rule_id for f in gate.scan(data).findings if f.kind == "secret"}
+
+
+@pytest.mark.parametrize("levels", [1, 2, 3])
+def test_a_credentials_file_escaped_into_json_strings_is_found_at_its_raw_bytes(gate: Gate, levels: int) -> None:
+    text = CREDENTIALS
+    for _ in range(levels):
+        text = json.dumps({"content": text})
+    data = text.encode()
+    found = [f for f in gate.scan(data).findings if f.rule_id == "aws-secret-access-key"]
+    assert found and all(data[f.byte_start:f.byte_end] == SECRET.encode() for f in found)
+
+
+def test_every_byte_of_a_reading_maps_to_the_raw_span_it_came_from() -> None:
+    raw = b'{"a": "x\\ny\\\\n\\u00e9\\"z"}'
+    plain = readings(raw)[0]
+    assert plain.data == '{"a": "x\ny\\n\u00e9"z"}'.encode()
+    spans = [plain.raw_span(i, i + 1) for i in range(len(plain.data))]
+    assert spans[8] == (8, 10)  # "\n" from the two bytes `\` `n`
+    assert raw[spans[plain.data.index("é".encode())][0]:spans[plain.data.index("é".encode()) + 1][1]] == b"\\u00e9"
+
+
+def test_a_base64_kubernetes_secret_is_found_and_redacted_whole(gate: Gate) -> None:
+    pem = ("-----BEGIN OPENSSH PRIVATE KEY-----\n" + "b3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQAAAAAAAAABAAAAMwAAAAtzc2gtZW\n" * 4
+           + "-----END OPENSSH PRIVATE KEY-----\n")
+    encoded = base64.b64encode(pem.encode()).decode()
+    password = base64.b64encode(b"Kq7#vLp2Xz9!").decode()
+    data = f"apiVersion: v1\nkind: Secret\ndata:\n  id_ed25519: {encoded}\n  db_password: {password}\n".encode()
+    report = gate.scan(data)
+    cut = {data[f.byte_start:f.byte_end] for f in report.findings if f.kind == "secret"}
+    assert encoded.encode() in cut and password.encode() in cut
+    redacted = redact(data, report.findings, ("secret",)).data
+    assert encoded.encode() not in redacted and password.encode() not in redacted and b"kind: Secret" in redacted
+
+
+def test_base64_inside_base64_is_read_two_levels_deep(gate: Gate) -> None:
+    auth = base64.b64encode(b"ci:Zt8Vq2Lm9#Rk").decode()
+    config = base64.b64encode(json.dumps({"auths": {"ghcr.io": {"auth": auth}}}).encode()).decode()
+    data = f"data:\n  .dockerconfigjson: {config}\n".encode()
+    assert "docker-config-auth" in _found(gate, data)
+
+
+def test_ordinary_base64_and_escapes_add_no_finding(gate: Gate) -> None:
+    picture = base64.b64encode(bytes(range(256)) * 8).decode()
+    prose = base64.b64encode(b"The meeting moved to Thursday at ten; bring the quarterly figures.").decode()
+    data = json.dumps({"image": picture, "note": prose, "text": "line one\nline \"two\"\n"}).encode()
+    assert _found(gate, data) == set()
