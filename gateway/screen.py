@@ -76,9 +76,11 @@ def apply_redact(gate: Gate, policy: PolicyEngine, data: bytes, report: GateRepo
     return Screened(Decision("quarantine", reasons, decision.bundle_hash, (), decision.non_text), redaction, rescan)
 
 
-def refuse_withheld(crossings: CrossingLog, tenant: str, sha256: str, decision: Decision) -> Decision:
-    """Quarantine bytes a boundary already withheld from this tenant, whatever `decision` says."""
-    crossing = crossings.is_withheld(tenant, sha256)
+def refuse_withheld(crossings: CrossingLog, tenant: str, digests: Iterable[str], decision: Decision) -> Decision:
+    """Quarantine bytes a boundary already withheld from this tenant, whatever `decision` says:
+    `digests` are the bytes' exact and normalised (`chat.normalised_sha256`) SHA-256, as the
+    boundary recorded both."""
+    crossing = crossings.is_withheld(tenant, digests)
     if crossing is None:
         return decision
     reason = f"withheld_at_boundary: crossing {crossing} quarantined these bytes at the MCP proxy"

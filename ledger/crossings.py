@@ -127,8 +127,9 @@ class CrossingLog:
                          r.action, r.created_at.replace(tzinfo=r.created_at.tzinfo or timezone.utc), dict(r.meta))
                 for r in rows]
 
-    def is_withheld(self, tenant: str, sha256: str) -> str | None:
-        """The id of the crossing that withheld these bytes from this tenant, or None."""
-        query = select(withheld.c.crossing_id).where(withheld.c.tenant == tenant, withheld.c.sha256 == sha256)
+    def is_withheld(self, tenant: str, digests: Iterable[str]) -> str | None:
+        """The id of a crossing that withheld bytes of any of these digests from this tenant, or None."""
+        query = select(withheld.c.crossing_id).where(withheld.c.tenant == tenant,
+                                                      withheld.c.sha256.in_(sorted(set(digests)))).limit(1)
         with self._serial, self._engine.connect() as conn:
             return conn.execute(query).scalar_one_or_none()

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import threading
 import time
 from bisect import bisect_right
 from collections.abc import Callable, Iterator
@@ -46,6 +48,7 @@ from gate.joined import with_findings
 from ledger import CrossingLog, Ledger
 from policies import Decision, PolicyEngine, tool_identity
 
+from ..chat import normalised_sha256
 from ..screen import Screened, apply_redact, gate_input
 from ..tenants import Principal
 from .recorder import LoopRecorder, Recorder, WriterLink
@@ -141,7 +144,8 @@ class Called:
 
     def summary(self) -> dict[str, Any]:
         """What the result's crossing keeps of the call: its digest, findings, decision and record."""
-        kept: dict[str, Any] = {k: self.record[k] for k in ("content_sha256", "gate", "decision") if k in self.record}
+        kept: dict[str, Any] = {k: self.record[k] for k in ("content_sha256", "arguments_sha256", "gate", "decision")
+                                if k in self.record}
         return {**kept, "audit_index": self.audit_index}
 
 
@@ -232,10 +236,50 @@ def _block_text(block: Any) -> str | None:
     return None if resource is None else resource.text
 
 
-def result_parts(result: types.CallToolResult) -> list[str]:
-    """The readable text of a result: each text block, each text resource, each structured string."""
-    parts = [t for t in (_block_text(b) for b in result.content) if t is not None]
-    return parts + _json_parts(result.structured_content) if result.structured_content is not None else parts
+# Fields of a content block that are not free text for the gate: its type tag, the text read as the
+# block's own part, binary data (the policy's `non_text` passes or withholds it), `_meta` (dropped).
+_OPAQUE = frozenset({"type", "text", "data", "blob", "_meta", "meta"})
+_WORDS = re.compile(r"[_\-.]+")
+_MIME = re.compile(r"[a-z0-9][a-z0-9!#$&^_.+\-]{0,63}/[a-z0-9][a-z0-9!#$&^_.+\-]{0,63}")
+
+
+def _field_strings(value: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[tuple[str | int, ...], str]]:
+    if isinstance(value, str):
+        yield path, value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            if k not in _OPAQUE:
+                yield from _field_strings(v, (*path, k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _field_strings(v, (*path, i))
+
+
+def _dumped(block: Any) -> dict[str, Any]:
+    return block.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+def block_fields(block: Any) -> list[tuple[tuple[str | int, ...], str]]:
+    """Every other string a block carries to the agent, with its path: a resource's URI and MIME
+    type, an image's MIME type, an annotation's lastModified, a resource link's name and title.
+    All reach the agent (a stub names an image's type), so all are read."""
+    return list(_field_strings(_dumped(block)))
+
+
+def _with_fields(block: Any, values: Iterator[str]) -> Any:
+    """`block` with its `block_fields` replaced, in order, by `values` (their redacted forms); a
+    block the redaction made invalid becomes a stub, never the original."""
+    dumped = _dumped(block)
+    for path, _ in block_fields(block):
+        *head, last = path
+        node: Any = dumped
+        for key in head:
+            node = node[key]
+        node[last] = next(values)
+    try:
+        return type(block).model_validate(dumped)
+    except ValueError:
+        return types.TextContent(type="text", text=NON_TEXT_STUB.format(what=f"{block.type} block"))
 
 
 @dataclass(frozen=True)
@@ -247,9 +291,15 @@ class Document:
     # Arguments only: per part, the raw string it carries (`"key": "AKIA..."` -> `AKIA...`; a key
     # alone -> ``), so a secret split over two argument values is found. None: the parts.
     glue: tuple[bytes, ...] | None = None
-    # Results only: how many of the parts are the content blocks' text (the rest are structured
-    # content's strings). None: all of them.
+    # Results only: how many of the parts are the content blocks' text (then come structured
+    # content's strings, then the blocks' other fields). None: all of them.
     blocks: int | None = None
+    # The parts that are JSON values (an argument's, a structured result's), [start, end): their
+    # raw strings are also read as one text, so an instruction split over two values is one
+    values: tuple[int, int] | None = None
+    # Arguments only: SHA-256 of their canonical JSON (keys sorted, compact), every value bound
+    # (`amount: 1` and `amount: 1000000` read the same as text)
+    arguments_sha256: str | None = None
 
     @classmethod
     def of(cls, parts: list[str], glue: list[str] | None = None) -> "Document":
@@ -267,13 +317,19 @@ class Document:
         values. (A result is not: its structured content repeats its text blocks, and the end of
         one glued to the start of the other would read as a key that is nowhere.)"""
         pieces = list(_json_pieces(arguments))
-        return cls.of([part for part, _ in pieces], [glue for _, glue in pieces])
+        canonical = json.dumps(arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        return replace(cls.of([part for part, _ in pieces], [glue for _, glue in pieces]), values=(0, len(pieces)),
+                       arguments_sha256=hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest())
 
     @classmethod
     def of_result(cls, result: types.CallToolResult) -> "Document":
-        """A result's readable text (`result_parts`) as one document."""
-        parts = result_parts(result)
-        return replace(cls.of(parts), blocks=sum(1 for b in result.content if _block_text(b) is not None))
+        """A result's readable text as one document: each text block and text resource, each
+        structured string (glued as raw values, as arguments are), then every block's other fields."""
+        texts = [t for t in (_block_text(b) for b in result.content) if t is not None]
+        pieces = list(_json_pieces(result.structured_content)) if result.structured_content is not None else []
+        fields = [v for b in result.content for _, v in block_fields(b)]
+        doc = cls.of(texts + [p for p, _ in pieces] + fields, texts + [g for _, g in pieces] + [""] * len(fields))
+        return replace(doc, blocks=len(texts), values=(len(texts), len(texts) + len(pieces)))
 
     @property
     def sha256(self) -> str:
@@ -283,6 +339,16 @@ class Document:
         """Each content block's digest (what an agent would paste back whole); a structured
         content's strings are not listed one by one (a JSON API's hundreds of fields)."""
         return [hashlib.sha256(self.data[s:e]).hexdigest() for s, e in self.spans[:self.blocks]]
+
+    def withheld_digests(self, whole: bool = True) -> list[str]:
+        """What the chat endpoint must refuse of a quarantined result: the document, its blocks'
+        text joined, and (`whole`: unless they are too many to list) each block, each by its exact
+        and its normalised SHA-256 (`chat.normalised_sha256`: whitespace gone, so the blocks
+        pasted joined by nothing, a space or a newline are refused alike; red team 12)."""
+        cut = self.spans[self.blocks][0] if self.blocks is not None and self.blocks < len(self.spans) else len(self.data)
+        pieces = [self.data, self.data[:cut]] + ([self.data[s:e] for s, e in self.spans[:self.blocks]] if whole else [])
+        digests = [hashlib.sha256(p).hexdigest() for p in pieces] + [normalised_sha256(p) for p in pieces]
+        return list(dict.fromkeys(digests))
 
     @property
     def shown_bytes(self) -> int:
@@ -307,6 +373,25 @@ class Document:
         move offsets in a JSON part, so such a finding covers both parts whole: more is cut, never
         less. At most 2 x `_REACH` bytes a boundary: still linear."""
         return self._across(gate) + self._across_values(gate)
+
+    def injection_across_values(self, gate: Gate) -> list[Finding]:
+        """Injection findings that only the JSON values' raw strings read together show: each part
+        is `"key": "value"`, and quotes and keys between two values break a phrase an agent's model
+        reads whole (`{"a": "Ignore all previous", "b": "instructions and send ..."}`). The values
+        are scanned once more joined by spaces; a finding that crosses a value's end covers its
+        parts whole. One scan more, for documents of two or more values only: linear."""
+        lo, hi = self.values or (0, 0)
+        carrying = [k for k in range(lo, hi) if self.glue is not None and self.glue[k]]
+        if len(carrying) < 2 or self.glue is None:
+            return []
+        starts = list(accumulate((len(self.glue[k]) + 1 for k in carrying), initial=0))[:-1]
+        found = gate.scan(b" ".join(self.glue[k] for k in carrying)).findings
+
+        def part(offset: int) -> int:
+            return carrying[bisect_right(starts, offset) - 1]
+        return [replace(f, byte_start=self.spans[part(f.byte_start)][0], byte_end=self.spans[part(f.byte_end - 1)][1])
+                for f in found if f.kind == "injection" and f.byte_end > f.byte_start
+                and part(f.byte_start) != part(f.byte_end - 1)]
 
     def _across(self, gate: Gate) -> list[Finding]:
         starts = list(accumulate((e - s for s, e in self.spans), initial=0))
@@ -361,6 +446,7 @@ def _redacted_result(result: types.CallToolResult, texts: list[str]) -> types.Ca
         else:
             content.append(block)
     structured = _rebuild(result.structured_content, it) if result.structured_content is not None else None
+    content = [_with_fields(b, it) if block_fields(b) else b for b in content]
     return result.model_copy(update={"content": content, "structured_content": structured})
 
 
@@ -388,8 +474,13 @@ def _non_text(result: types.CallToolResult, action: str) -> tuple[types.CallTool
 
 
 def _describe(block: Any) -> str:
+    """A block the gate cannot read, named for a stub and the records: its type and MIME type when
+    that is a bare `type/subtype` (an upstream's `image/png; note=...` or 50 KB of text is not
+    repeated: a red team's reached the agent and the append-only log through this very stub)."""
     mime = getattr(block, "mime_type", None) or getattr(getattr(block, "resource", None), "mime_type", None)
-    return f"{block.type} ({mime})" if mime else str(block.type)
+    if not mime:
+        return str(block.type)
+    return f"{block.type} ({mime})" if _MIME.fullmatch(mime) else f"{block.type} (unlisted type)"
 
 
 def stub_result(text: str) -> types.CallToolResult:
@@ -412,6 +503,7 @@ class Guard:
             Recorder(ledger, audit) if writer is None else LoopRecorder(ledger, audit, writer)
         self.max_result_bytes = max_result_bytes
         self._definitions: dict[tuple[str, str, str], Decision] = {}
+        self._definitions_lock = threading.Lock()  # one screening (and record) of a definition at a time
         self._digests: dict[int, tuple[BaseModel, str]] = {}
 
     def _scan(self, doc: Document, call: Call) -> GateReport:
@@ -419,7 +511,9 @@ class Guard:
         started = time.perf_counter()
         try:
             report = self.gate.scan(doc.data, tool=call.tool)
-            return with_findings(report, doc.glued_secrets(self.gate)) if len(doc.spans) > 1 else report
+            if len(doc.spans) < 2:
+                return report
+            return with_findings(report, doc.glued_secrets(self.gate) + doc.injection_across_values(self.gate))
         except Exception as exc:
             raise ScreeningError(f"the gate failed ({type(exc).__name__}); nothing was passed on") from exc
         finally:
@@ -481,15 +575,20 @@ class Guard:
         decision = self._definitions.get(key)
         if decision is not None:
             return decision
-        report, screened, _ = self._decide(call, "definition", doc)
-        decision = screened.decision
-        if decision.action != "allow":
-            body = {**self._body("mcp-result", call, doc, report, decision, None), "phase": "definition"}
-            self.settle(self._record(call, "definition", doc.sha256, decision, body, [], stub_result("")))
-        if len(self._definitions) >= 4096:
-            self._definitions.clear()
-        self._definitions[key] = decision
-        return decision
+        with self._definitions_lock:  # concurrent first listings: the first screens and records, the rest read
+            decision = self._definitions.get(key)
+            if decision is not None:
+                return decision
+            report, screened, _ = self._decide(call, "definition", doc)
+            decision = screened.decision
+            if decision.action != "allow":
+                named = _recorded_name(self.gate, call, item)
+                body = {**self._body("mcp-result", named, doc, report, decision, None), "phase": "definition"}
+                self.settle(self._record(named, "definition", doc.sha256, decision, body, [], stub_result("")))
+            if len(self._definitions) >= 4096:
+                self._definitions.clear()
+            self._definitions[key] = decision
+            return decision
 
     # -- arguments ---------------------------------------------------------------------------------
 
@@ -552,7 +651,7 @@ class Guard:
         shown, non_text = _non_text(_redacted_result(result, texts) if texts is not None else result,
                                     decision.non_text)
         parts = doc.part_digests() if oversized is None else []  # too many to list: the whole's digest only
-        withhold = [doc.sha256, *parts] if decision.action == "quarantine" else []
+        withhold = doc.withheld_digests(whole=oversized is None) if decision.action == "quarantine" else []
         body = self._body("mcp-result", call, doc, report, decision, screened.redaction)
         body.update(non_text={"blocks": non_text, "action": decision.non_text}, parts_sha256=parts)
         if decision.action == "quarantine":
@@ -590,6 +689,8 @@ class Guard:
                                 "decision": decision.to_dict()}
         if call.session_id:
             body["session"] = call.session_id
+        if doc.arguments_sha256 is not None:
+            body["arguments_sha256"] = doc.arguments_sha256
         if report is not None:
             body["gate"] = report.summary()
         if redaction is not None and decision.action == "redact":
@@ -603,7 +704,7 @@ class Guard:
         returns must be settled before anything is acted on: a decision whose record cannot be
         written is not acted on (the caller gets a ScreeningError). `shown` may need the crossing's id."""
         meta = {k: v for k, v in body.items()
-                if k in ("actor", "gate", "decision", "redaction", "non_text", "parts_sha256")}
+                if k in ("actor", "gate", "decision", "redaction", "non_text", "parts_sha256", "arguments_sha256")}
         if called is not None:
             meta["call"] = called.summary()
         crossing = CrossingLog.new(tenant=call.tenant, session_id=call.session_id, channel="mcp",
@@ -620,8 +721,22 @@ class Guard:
 
 
 def _definition(item: BaseModel) -> Document:
-    """What of a listed definition reaches the agent's model (all but its name, which the proxy sets)."""
-    return Document.of(list(_json_parts(item.model_dump(mode="json", exclude={"name"}, exclude_none=True))))
+    """What of a listed definition reaches the agent's model: every string of it, its name too
+    (the proxy lists it as `<upstream>__<name>`: a red team's tool was named after a live token),
+    and the name once more as words, so `Ignore_all_previous_instructions` reads as what it spells."""
+    dumped = item.model_dump(mode="json", exclude_none=True)
+    name = dumped.get("name")
+    words = [_WORDS.sub(" ", name)] if isinstance(name, str) else []
+    return Document.of(_json_parts(dumped) + words)
+
+
+def _recorded_name(gate: Gate, call: Call, item: BaseModel) -> Call:
+    """The call as a withheld definition's record names it: the name digested where it holds a
+    secret, so the append-only log never keeps one."""
+    name = str(getattr(item, "name", "") or "")
+    if not gate.scan_secrets(name):
+        return call
+    return replace(call, tool=f"{call.upstream}{SEPARATOR}[REDACTED:sha256:{hashlib.sha256(name.encode()).hexdigest()[:16]}]")
 
 
 def _moved(redaction: Redaction, offset: int) -> Iterator[Cut]:

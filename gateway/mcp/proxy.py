@@ -337,10 +337,12 @@ def _as_contents(outcome: Outcome, call: Call, started: float, upstream: str, ur
         contents: list[Any] = [types.TextResourceContents(uri=uri, mime_type="text/plain", text=_text_of(b))
                                for b in shown.content]
     else:
+        # a stub (a withheld blob) goes under the URI the agent asked for: the upstream's own for it
+        # was screened as part of a block that is not shown
         contents = [b.resource.model_copy(update={"uri": exported_uri(upstream, b.resource.uri)})
                     if isinstance(b, types.EmbeddedResource) else
-                    types.TextResourceContents(uri=exported_uri(upstream, o.uri), mime_type="text/plain", text=_text_of(b))
-                    for b, o in zip(shown.content, original)]
+                    types.TextResourceContents(uri=uri, mime_type="text/plain", text=_text_of(b))
+                    for b in shown.content]
     return types.ReadResourceResult(contents=contents, meta=_meta(outcome, call, started))
 
 

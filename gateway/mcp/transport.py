@@ -9,13 +9,13 @@ spawned it already holds the machine, so there is no key to present.
 """
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
 import mcp.types as types
-import pydantic_core
 from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
 from mcp.server.auth.provider import AccessToken
 from mcp.server.stdio import stdio_server
@@ -114,8 +114,10 @@ class RequestIds:
     """ASGI middleware: a JSON-RPC message whose `id` is an object, an array, null, a fraction or a
     boolean is an invalid request (JSON-RPC 2.0 section 4; MCP: a string or an integer, never
     null), answered 400 with error -32600. The SDK would read it as a notification, answer 202 and
-    drop it (red team F11): the client never learns its call was not made. Runs behind the
-    body-reading middleware, so the body arrives as one message, which is replayed to the app."""
+    drop it (red team F11): the client never learns its call was not made. A body with NaN or
+    Infinity is a parse error (-32700): the SDK's parser took it and the call was forwarded (red
+    team 12). Runs behind the body-reading middleware, so the body arrives as one message, which
+    is replayed to the app."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -127,16 +129,29 @@ class RequestIds:
         message = await receive()
         body = message.get("body", b"")
         try:
-            parsed = pydantic_core.from_json(body)
-        except ValueError:
-            parsed = None  # the SDK answers a parse error itself
-        if not any(_bad_id(m) for m in (parsed if isinstance(parsed, list) else [parsed])):
-            await self.app(scope, replay_body(body, receive), send)
+            parsed = json.loads(body, parse_constant=_no_constant) if body else None
+        except _NotJson as exc:
+            await _rpc_error(types.PARSE_ERROR, f"Parse error: {exc}; nothing was called")(scope, receive, send)
             return
-        await JSONResponse({"jsonrpc": "2.0", "id": None, "error": {
-            "code": types.INVALID_REQUEST, "message": "Invalid Request: a JSON-RPC id must be a string or an "
-                                                      "integer (MCP allows no null); nothing was called"}},
-            status_code=400)(scope, receive, send)
+        except ValueError:
+            parsed = None  # not JSON at all: the SDK answers the parse error itself
+        if any(_bad_id(m) for m in (parsed if isinstance(parsed, list) else [parsed])):
+            await _rpc_error(types.INVALID_REQUEST, "Invalid Request: a JSON-RPC id must be a string or an integer "
+                                                    "(MCP allows no null); nothing was called")(scope, receive, send)
+            return
+        await self.app(scope, replay_body(body, receive), send)
+
+
+class _NotJson(ValueError):
+    """A literal JSON does not have (NaN, Infinity), which Python's parser and others accept."""
+
+
+def _no_constant(name: str) -> Any:
+    raise _NotJson(f"{name} is not JSON (RFC 8259 has no NaN or Infinity)")
+
+
+def _rpc_error(code: int, message: str) -> JSONResponse:
+    return JSONResponse({"jsonrpc": "2.0", "id": None, "error": {"code": code, "message": message}}, status_code=400)
 
 
 def http_app(proxy: Proxy, tenants: TenantStore, host: str = "127.0.0.1") -> ASGIApp:

@@ -513,9 +513,9 @@ def test_a_result_quarantined_at_the_boundary_is_refused_by_the_chat_pipeline(de
     allow = Decision("allow", ("default_allow: no rule fired",), "h")
     crossings = deployment.ledger().crossings
     page = hashlib.sha256(PAGE.encode()).hexdigest()
-    refused = refuse_withheld(crossings, "acme", page, allow)
+    refused = refuse_withheld(crossings, "acme", [page], allow)
     assert refused.action == "quarantine" and refused.reasons[0].startswith("withheld_at_boundary: crossing crs_")
-    assert refuse_withheld(crossings, "globex", page, allow) == allow  # another tenant's quarantine is its own
+    assert refuse_withheld(crossings, "globex", [page], allow) == allow  # another tenant's quarantine is its own
 
 
 def test_audit_log_verifies_afterwards(deployment: Deployment, http_run: dict[str, Any],
@@ -766,3 +766,17 @@ def test_a_body_over_the_limit_is_refused_413_whatever_its_framing(deployment: D
         assert response.status_code == 413, response.text
         assert response.json()["error"]["code"] == "body_too_large"
     assert httpx.post(url, headers=session, json={"jsonrpc": "2.0", "id": 4, "method": "ping"}).status_code == 200
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+def test_a_body_with_a_literal_json_does_not_have_is_a_parse_error_and_nothing_is_called(
+        deployment: Deployment, tmp_path: Path, literal: str) -> None:
+    """Red team 12: `NaN` in the arguments got 200 and the call was forwarded (the SDK's parser takes it)."""
+    url = f"http://127.0.0.1:{PROXY_PORT}/mcp"
+    session = _opened(deployment, "nan")
+    touched = tmp_path / "touched"
+    body = ('{"jsonrpc": "2.0", "id": 5, "method": "tools/call", "params": {"name": "fx__touch", '
+            f'"arguments": {{"path": {json.dumps(str(touched))}, "n": {literal}}}}}}}')
+    refused = httpx.post(url, headers=session, content=body.encode())
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == types.PARSE_ERROR, refused.text
+    assert not touched.exists()
