@@ -102,9 +102,14 @@ def run_gate_bench(*, megabytes: int = 10, progress: bool = True) -> dict:
 
     secrets = evaluate_secrets(gate, megabytes=megabytes)
     say(f"secrets: recall {secrets['recall']} on {secrets['credentials']}, {secrets['false_positives_per_10mb']} FP/10 MB")
+    from .evaluate import BLIND_SECRET_SETS, DATA_DIR, evaluate_secret_set
+
+    blind = [evaluate_secret_set(DATA_DIR / name, gate) for name in BLIND_SECRET_SETS]
+    say(f"secrets, sets written blind: {[(b['set'], b['recall'], b['benign_rows_flagged']) for b in blind]}")
     return {
         "secrets": {k: v for k, v in secrets.items() if k != "recall_by_format"} | {
             "formats_below_1": {k: v for k, v in secrets["recall_by_format"].items() if v < 1}},
+        "secrets_blind_sets": blind,
         "injection_by_kind": _by_kind(gate, say),
         "injection_leave_kinds_out": shipped_cv(),
         "corpus_mb": round(mb, 2),

@@ -86,11 +86,15 @@ _IDENTIFIER = re.compile(r"[A-Za-z_.\-]+|[0-9.,:_/\-]+|[a-z]+(?:[A-Z][a-z]+)+[0-
 _PLACEHOLDER = re.compile(r"(?i)passw|secret|example|sample|changeme|dummy|placeholder|redacted|your|xxxx|\*\*\*|<|>|\.\.\.|^true$|^false$|^none$|^null$")
 
 
+# tokens whose own rule verifies a checksum: a failed checksum means "not that token", not "generic secret"
+_CHECKSUMMED = re.compile(r"(?:gh[pousr]|npm)_[A-Za-z0-9]{36}")
+
+
 def _generic_value(secret: str) -> bool:
     """A value assigned to a password/key/token name that is a credential rather than code:
     not an identifier, dotted name, number, version, path or placeholder, and with a digit or
     symbol in it (random tokens of 8+ characters almost always have one; identifiers do not)."""
-    if _PLACEHOLDER.search(secret) or secret.startswith(("/", "./", "~")):
+    if _PLACEHOLDER.search(secret) or secret.startswith(("/", "./", "~")) or _CHECKSUMMED.fullmatch(secret):
         return False
     if _IDENTIFIER.fullmatch(secret) and not _random_case(secret):
         return False
