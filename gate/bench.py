@@ -219,13 +219,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", action="store_true", help="accepted for symmetry with `lethe bench`; output is always JSON")
     ap.add_argument("--bin", type=Path, default=None, help="peers: the bin directory of the environment holding them")
     ap.add_argument("--megabytes", type=float, default=10.0, help="benign text to scan (gate, peers)")
+    ap.add_argument("--blind-sets", action="store_true", help="peers: the secret sets written blind, not the generated corpus")
     args = ap.parse_args(argv)
     if args.what == "bound":
         return run_bound_bench()
     if args.what == "peers":
         from .peers import run_peers_bench
 
-        return run_peers_bench(args.bin, megabytes=args.megabytes)
+        from .evaluate import BLIND_SECRET_SETS
+
+        return run_peers_bench(args.bin, megabytes=args.megabytes, sets=BLIND_SECRET_SETS if args.blind_sets else ())
     return run_gate_bench(megabytes=int(args.megabytes))
 
 

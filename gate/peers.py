@@ -124,10 +124,10 @@ def scan_detect_secrets(exe: str, root: Path) -> Findings:
 
 def score(found: Findings, creds: list[dict], benign: list[str], look: list[str], benign_bytes: int) -> dict:
     """Recall by lines, per format below 1, and false positives per 10 MB of package text."""
-    hits = {c["path"]: bool(found.get(c["path"], set()) & set(c["lines"])) for c in creds}
+    hits = {c.get("key", c["path"]): bool(found.get(c["path"], set()) & set(c["lines"])) for c in creds}
     by_format: dict[str, list[bool]] = defaultdict(list)
     for c in creds:
-        by_format[c["format"]].append(hits[c["path"]])
+        by_format[c["format"]].append(hits[c.get("key", c["path"])])
     fps = sum(len(found.get(p, ())) for p in benign)
     return {"recall": round(sum(hits.values()) / len(creds), 4),
             "formats_below_1": {k: round(sum(v) / len(v), 3) for k, v in sorted(by_format.items()) if not all(v)},
@@ -136,12 +136,33 @@ def score(found: Findings, creds: list[dict], benign: list[str], look: list[str]
             "lookalike_documents_flagged": sum(bool(found.get(p)) for p in look)}
 
 
-def run_peers_bench(bin_dir: Path | None = None, *, megabytes: float = 10.0, per_format: int = 7, progress: bool = True) -> dict:
+def write_sets(root: Path, names: tuple[str, ...]) -> tuple[list[dict], list[str], list[str], int]:
+    """The blind sets' rows (``gate.evaluate.BLIND_SECRET_SETS``), one file each (``output.txt``:
+    a tool's output has no file name of its own), with the lines each labelled value occupies."""
+    from .evaluate import DATA_DIR, load_rows
+
+    creds, benign, size = [], [], 0
+    for name in names:
+        for i, row in enumerate(load_rows(DATA_DIR / name)):
+            rel = f"{Path(name).stem}/{i:04d}/output.txt"
+            _write(root / rel, row["text"].encode())
+            if row["label"] == "benign":
+                benign.append(rel)
+                size += len(row["text"].encode())
+                continue
+            creds += [{"format": s["format"], "path": rel, "key": f"{rel}#{k}", "lines": _value_lines(row["text"], s["value"])}
+                      for k, s in enumerate(row["secrets"])]
+    return creds, benign, [], size
+
+
+def run_peers_bench(bin_dir: Path | None = None, *, megabytes: float = 10.0, per_format: int = 7, progress: bool = True,
+                    sets: tuple[str, ...] = ()) -> dict:
+    """The generated corpus (default) or, with `sets`, the sets written blind, through every scanner."""
     say = (lambda *a: print(*a, file=sys.stderr)) if progress else (lambda *a: None)
     bins = peer_bins(bin_dir)
     with tempfile.TemporaryDirectory(prefix="lethe-peers-") as tmp:
         root = Path(tmp) / "corpus"
-        creds, benign, look, size = write_corpus(root, megabytes, per_format)
+        creds, benign, look, size = write_sets(root, sets) if sets else write_corpus(root, megabytes, per_format)
         say(f"corpus: {len(creds)} credential files, {len(benign)} package files ({size / 1e6:.1f} MB), {len(look)} look-alikes")
         scanners = {"lethe_gate": lambda: scan_lethe(root, [c["path"] for c in creds] + benign + look),
                     "credsweeper": lambda: scan_credsweeper(bins["credsweeper"] or "", root),  # run only when found

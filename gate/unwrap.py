@@ -8,7 +8,8 @@ issue 15 lost a fifth of its credentials to such carriers: the rules anchor on n
 key names and prefixes that only the decoded text shows.
 
 `readings(data)` gives the text with backslash escapes undone (up to `ESCAPE_LEVELS` levels),
-with runs of percent-escapes decoded (a token in a query string or a form body), with base64 runs decoded in place where they decode to text (up to `BASE64_LEVELS` levels, so
+with runs of percent-escapes decoded (a token in a query string or a form body), HTML character
+references and hex runs decoded (a red team's arguments carried tokens so), with base64 runs decoded in place where they decode to text (up to `BASE64_LEVELS` levels, so
 `password: c2VjcmV0...` reads `password: secret...` and the key name still gives the context),
 and both. Each byte of a reading knows the raw span it came from, so a finding reports the raw
 span (a whole base64 run when the secret was inside one: that run is what a redaction must cut).
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import html
 import re
 import urllib.parse
 from collections.abc import Callable
@@ -32,6 +34,8 @@ _ESCAPE = re.compile(rb'\\(?:u[0-9a-fA-F]{4}|[nrtbf"\'\\/])')
 _SIMPLE = {b"n": b"\n", b"r": b"\r", b"t": b"\t", b"b": b"\b", b"f": b"\f", b'"': b'"', b"'": b"'", b"\\": b"\\",
            b"/": b"/"}
 _PERCENT = re.compile(rb"(?:%[0-9A-Fa-f]{2})+")
+_ENTITIES = re.compile(rb"(?:&(?:#[0-9]{1,7}|#[xX][0-9A-Fa-f]{1,6}|[A-Za-z]{2,8});)+")  # HTML/XML character references
+_HEX = re.compile(rb"(?<![0-9A-Fa-f])(?:[0-9A-Fa-f]{2}){16,}(?![0-9A-Fa-f])")  # 16 bytes or more
 _BASE64 = re.compile(rb"(?<![A-Za-z0-9+/_-])[A-Za-z0-9+/_-]{%d,}={0,2}" % MIN_BASE64)
 
 
@@ -100,6 +104,25 @@ def _unpercent(m: re.Match[bytes]) -> bytes | None:
     return raw
 
 
+def _unentity(m: re.Match[bytes]) -> bytes | None:
+    out = html.unescape(m.group().decode("ascii")).encode("utf-8", "surrogatepass")
+    return None if out == m.group() else out
+
+
+def _unhex(m: re.Match[bytes]) -> bytes | None:
+    """A hex run decoded, when it decodes to printable text (a digest or a key's own hex does not)."""
+    raw = bytes.fromhex(m.group().decode("ascii"))
+    return raw if _printable(raw) else None
+
+
+def _printable(raw: bytes) -> bool:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return bool(text) and sum(ch.isprintable() or ch in "\r\n\t" for ch in text) >= 0.95 * len(text)
+
+
 def _decoded(m: re.Match[bytes]) -> bytes | None:
     """The run base64-decoded (standard or URL-safe) when it decodes to printable text."""
     body = m.group().rstrip(b"=")
@@ -108,11 +131,9 @@ def _decoded(m: re.Match[bytes]) -> bytes | None:
     padded = body + b"=" * (-len(body) % 4)
     try:
         raw = base64.urlsafe_b64decode(padded) if b"-" in body or b"_" in body else base64.b64decode(padded, validate=True)
-        text = raw.decode("utf-8")
     except (binascii.Error, ValueError):
         return None
-    printable = sum(ch.isprintable() or ch in "\r\n\t" for ch in text)
-    return raw if text and printable >= 0.95 * len(text) else None
+    return raw if _printable(raw) else None
 
 
 def _levels(reading: Reading, pattern: re.Pattern[bytes], replace: Replace, levels: int,
@@ -136,7 +157,9 @@ def readings(data: bytes) -> list[Reading]:
     levels, the base64 levels of the escape-free text, and that last reading with its own escapes undone."""
     plain = _levels(Reading.identity(data), _ESCAPE, _unescape, ESCAPE_LEVELS, cue=b"\\")
     base = plain[-1] if plain else Reading.identity(data)
-    unquoted = _levels(base, _PERCENT, _unpercent, 1, cue=b"%")
+    unquoted = _levels(base, _PERCENT, _unpercent, 2, cue=b"%")  # twice: %2541 is %41 is A
+    unentity = _levels(base, _ENTITIES, _unentity, 1, cue=b"&")
+    unhexed = _levels(base, _HEX, _unhex, 1)
     decoded = _levels(base, _BASE64, _decoded, BASE64_LEVELS)
     again = _levels(decoded[-1], _ESCAPE, _unescape, ESCAPE_LEVELS, cue=b"\\") if decoded else []
-    return plain + unquoted + decoded + again
+    return plain + unquoted + unentity + unhexed + decoded + again

@@ -84,6 +84,8 @@ WORST_CASES: dict[str, Callable[[int], bytes]] = {
     "escaped-backslashes": _repeat("\\\\"),
     "unicode-escapes": _repeat("\\u0041"),
     "percent-run": _repeat("%41%3D"),
+    "entity-run": _repeat("&#65;&amp;"),
+    "hex-text-run": _repeat("6b6579"),
     "base64-text-run": lambda n: base64.b64encode(b"password = " + b"Kq7vLp2Xz " * (n // 13))[:n],
     "base64-short-runs": _repeat("c2VjcmV0cGFzc3dvcmQx "),
     "netrc-openers": _repeat("machine h login u "),
