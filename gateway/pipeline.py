@@ -38,7 +38,7 @@ from .errors import GatewayError, fails_as
 from .erasure import Erasure, actor_of, audit_body, segment_tokens, turn_intents
 from .metrics import Metrics
 from .residency import Residency
-from .screen import Screened, apply_redact, policy_findings, refuse_withheld
+from .screen import Screened, apply_redact, pasted_digests, policy_findings, refuse_withheld
 from .sessions import Compute, LiveSession, PrefixCache, prefill_pieces
 from .tenants import Principal
 from .turn import Action, Staged, Turn
@@ -384,8 +384,8 @@ class Pipeline:
         verdict = Verdict.of(gated.report, None, None)
         with fails_as("policy"):
             decision = self.p.policy.decide(self._decision_input(principal, live, m, verdict, gated))
-            decision = refuse_withheld(self.p.ledger.crossings, principal.tenant or "", (m.content_sha256, m.norm_sha256),
-                                       decision)
+            decision = refuse_withheld(self.p.ledger.crossings, principal.tenant or "",
+                                       pasted_digests(m.content, m.content_sha256, m.norm_sha256), decision)
         if decision.action != "allow":
             return None
         self.p.metrics.gate_verdicts.labels(verdict.label).inc()
@@ -479,8 +479,8 @@ class Pipeline:
 
         The redacted bytes' re-scan is the byte gate's alone: the probe read the original's staged
         states, and an injection it flagged there already outranked the redaction (quarantine)."""
-        decision = refuse_withheld(self.p.ledger.crossings, principal.tenant or "", (m.content_sha256, m.norm_sha256),
-                                       decision)
+        decision = refuse_withheld(self.p.ledger.crossings, principal.tenant or "",
+                                       pasted_digests(m.content, m.content_sha256, m.norm_sha256), decision)
         return apply_redact(self.p.gate, self.p.policy, m.content, report, decision,
                             lambda rescan, _n: self._decision_input(principal, live, m, Verdict.of(rescan, None, None), gated))
 

@@ -10,13 +10,16 @@ back through another door (a chat tool message), whatever the policy would say a
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import json
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from gate import Finding, Gate, GateReport, Redaction, redact
 from ledger import CrossingLog
 from policies import Decision, PolicyEngine
+
+from .chat import normalised_sha256
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,37 @@ def apply_redact(gate: Gate, policy: PolicyEngine, data: bytes, report: GateRepo
     why = "nothing to cut at the findings' offsets" if not redaction.cuts else f"re-scan gave {second.action}"
     reasons = (*decision.reasons, f"redact_rescan: {why}, so quarantine", *second.reasons)
     return Screened(Decision("quarantine", reasons, decision.bundle_hash, (), decision.non_text), redaction, rescan)
+
+
+def pasted_digests(raw: bytes, exact: str, normalised: str) -> list[str]:
+    """The digests a pasted tool message is matched against what a boundary withheld: its bytes'
+    exact and normalised digests, and where it is JSON (an agent framework pasting an MCP result
+    or its content list serialised, red team 13), those of the text blocks it carries, each and
+    joined, normalised (so key order, spacing and escaping of the serialisation do not matter)."""
+    digests = [exact, normalised]
+    if raw[:1] not in (b"{", b"[") or len(raw) > 8_000_000:
+        return digests
+    try:
+        texts = list(_text_fields(json.loads(raw)))
+    except (ValueError, RecursionError):
+        return digests
+    if texts:
+        encoded = [t.encode("utf-8", "surrogatepass") for t in texts]
+        digests += [normalised_sha256(b"\n".join(encoded))] + [normalised_sha256(t) for t in encoded]
+    return digests
+
+
+def _text_fields(value: Any) -> Iterator[str]:
+    """Every string under a `text` key, in order (MCP text blocks and text resources)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if k == "text" and isinstance(v, str):
+                yield v
+            else:
+                yield from _text_fields(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _text_fields(v)
 
 
 def refuse_withheld(crossings: CrossingLog, tenant: str, digests: Iterable[str], decision: Decision) -> Decision:

@@ -45,6 +45,7 @@ from pydantic import BaseModel
 from audit import AuditLog
 from gate import Cut, Finding, Gate, GateReport, Redaction, redact
 from gate.joined import with_findings
+from gate.secrets import shannon_entropy
 from ledger import CrossingLog, Ledger
 from policies import Decision, PolicyEngine, tool_identity
 
@@ -57,6 +58,8 @@ from .settings import PROMPT_GET, RESOURCE_READ, SEPARATOR
 log = structlog.get_logger(__name__)
 
 JOINER = b"\n"
+_PROSE = frozenset({b"description", b"title"})  # a definition's strings an agent's model reads as text
+_PROBE = 64  # bytes of a string looked for in its neighbour (`_repeats`)
 _REACH = 4096  # of each string beside a seam, what the argument-value glue reads (`Document.glued_secrets`)
 NON_TEXT_STUB = "[{what} withheld by policy: the gate cannot read it]"
 MAX_BLOCKS = 1024  # content blocks in one result (`Guard._oversized`)
@@ -164,17 +167,18 @@ def _dump(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def _json_pieces(value: Any) -> Iterator[tuple[str, str]]:
-    """Each part of a JSON value as the gate should read it (`_json_parts`), beside the string it
-    carries as a reader joining the values would join it (the raw string; nothing for a key)."""
+def _json_pieces(value: Any) -> Iterator[tuple[str, str, str]]:
+    """Each part of a JSON value as the gate should read it (`_json_parts`), beside the strings it
+    carries as a reader joining them would join them: its value's raw string (nothing for a key
+    alone) and its key's (nothing in a list)."""
     if isinstance(value, str):
-        yield _dump(value), value
+        yield _dump(value), value, ""
     elif isinstance(value, dict):
         for k, v in value.items():
             if isinstance(v, str):
-                yield f"{_dump(str(k))}: {_dump(v)}", v
+                yield f"{_dump(str(k))}: {_dump(v)}", v, str(k)
             else:
-                yield _dump(str(k)), ""
+                yield _dump(str(k)), "", str(k)
                 yield from _json_pieces(v)
     elif isinstance(value, list):
         for v in value:
@@ -188,7 +192,7 @@ def _json_parts(value: Any) -> list[str]:
     (`"token": "..."`) fires as it would on the serialized document; other keys, and strings in
     lists, are parts of their own. `_rebuild` parses the (redacted) parts back in the same order.
     """
-    return [part for part, _ in _json_pieces(value)]
+    return [part for part, _, _ in _json_pieces(value)]
 
 
 def _parsed(part: str, fallback: Any) -> Any:
@@ -240,6 +244,7 @@ def _block_text(block: Any) -> str | None:
 # block's own part, binary data (the policy's `non_text` passes or withholds it), `_meta` (dropped).
 _OPAQUE = frozenset({"type", "text", "data", "blob", "_meta", "meta"})
 _WORDS = re.compile(r"[_\-.]+")
+_RUN, _DIGIT, _LETTER = re.compile(r"[A-Za-z0-9]{20,}"), re.compile(r"[0-9]"), re.compile(r"[A-Za-z]")
 _MIME = re.compile(r"[a-z0-9][a-z0-9!#$&^_.+\-]{0,63}/[a-z0-9][a-z0-9!#$&^_.+\-]{0,63}")
 
 
@@ -291,6 +296,7 @@ class Document:
     # Arguments only: per part, the raw string it carries (`"key": "AKIA..."` -> `AKIA...`; a key
     # alone -> ``), so a secret split over two argument values is found. None: the parts.
     glue: tuple[bytes, ...] | None = None
+    keys: tuple[bytes, ...] | None = None  # per part, the raw key it holds (b"" for none)
     # Results only: how many of the parts are the content blocks' text (then come structured
     # content's strings, then the blocks' other fields). None: all of them.
     blocks: int | None = None
@@ -302,23 +308,38 @@ class Document:
     arguments_sha256: str | None = None
 
     @classmethod
-    def of(cls, parts: list[str], glue: list[str] | None = None) -> "Document":
+    def of(cls, parts: list[str], glue: list[str] | None = None, keys: list[str] | None = None) -> "Document":
         encoded = [p.encode("utf-8", "surrogatepass") for p in parts]
         spans, pos = [], 0
         for e in encoded:
             spans.append((pos, pos + len(e)))
             pos += len(e) + len(JOINER)
-        glued = None if glue is None else tuple(g.encode("utf-8", "surrogatepass") for g in glue)
-        return cls(JOINER.join(encoded), tuple(spans), glued)
+
+        def raw(strings: list[str] | None) -> tuple[bytes, ...] | None:
+            return None if strings is None else tuple(g.encode("utf-8", "surrogatepass") for g in strings)
+        return cls(JOINER.join(encoded), tuple(spans), raw(glue), raw(keys))
+
+    @classmethod
+    def of_json(cls, value: Any, before: list[str] | None = None, after: list[str] | None = None) -> "Document":
+        """A JSON value's parts (`_json_parts`) with their raw strings, between parts of plain
+        text (`before`, glued as themselves, and `after`, not glued)."""
+        head, tail = before or [], after or []
+        pieces = list(_json_pieces(value)) if value is not None else []
+        return cls.of(head + [p for p, _, _ in pieces] + tail, head + [g for _, g, _ in pieces] + [""] * len(tail),
+                      [""] * len(head) + [k for _, _, k in pieces] + [""] * len(tail))
 
     @classmethod
     def of_arguments(cls, arguments: dict[str, Any]) -> "Document":
         """A call's arguments as the gate reads them (each string beside its key), glued as the raw
         values. (A result is not: its structured content repeats its text blocks, and the end of
         one glued to the start of the other would read as a key that is nowhere.)"""
-        pieces = list(_json_pieces(arguments))
-        canonical = json.dumps(arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-        return replace(cls.of([part for part, _ in pieces], [glue for _, glue in pieces]), values=(0, len(pieces)),
+        try:  # JSON has no NaN or Infinity (a 1e999 parses as one): the record must bind what is sent
+            canonical = json.dumps(arguments, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        except ValueError:
+            raise ScreeningError("the arguments hold a number JSON cannot carry (NaN, Infinity or one too large "
+                                 "for a double); nothing was called") from None
+        doc = cls.of_json(arguments)
+        return replace(doc, values=(0, len(doc.spans)),
                        arguments_sha256=hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest())
 
     @classmethod
@@ -326,10 +347,9 @@ class Document:
         """A result's readable text as one document: each text block and text resource, each
         structured string (glued as raw values, as arguments are), then every block's other fields."""
         texts = [t for t in (_block_text(b) for b in result.content) if t is not None]
-        pieces = list(_json_pieces(result.structured_content)) if result.structured_content is not None else []
         fields = [v for b in result.content for _, v in block_fields(b)]
-        doc = cls.of(texts + [p for p, _ in pieces] + fields, texts + [g for _, g in pieces] + [""] * len(fields))
-        return replace(doc, blocks=len(texts), values=(len(texts), len(texts) + len(pieces)))
+        doc = cls.of_json(result.structured_content, texts, fields)
+        return replace(doc, blocks=len(texts), values=(len(texts), len(doc.spans) - len(fields)))
 
     @property
     def sha256(self) -> str:
@@ -381,14 +401,14 @@ class Document:
         are scanned once more joined by spaces; a finding that crosses a value's end covers its
         parts whole. One scan more, for documents of two or more values only: linear."""
         lo, hi = self.values or (0, 0)
-        carrying = [k for k in range(lo, hi) if self.glue is not None and self.glue[k]]
-        if len(carrying) < 2 or self.glue is None:
+        stream = [(k, raw) for k, raw in self.raw_strings(with_keys=False) if lo <= k < hi]
+        if len({k for k, _ in stream}) < 2:
             return []
-        starts = list(accumulate((len(self.glue[k]) + 1 for k in carrying), initial=0))[:-1]
-        found = gate.scan(b" ".join(self.glue[k] for k in carrying)).findings
+        starts = list(accumulate((len(raw) + 1 for _, raw in stream), initial=0))[:-1]
+        found = gate.scan(b" ".join(raw for _, raw in stream)).findings
 
         def part(offset: int) -> int:
-            return carrying[bisect_right(starts, offset) - 1]
+            return stream[bisect_right(starts, offset) - 1][0]
         return [replace(f, byte_start=self.spans[part(f.byte_start)][0], byte_end=self.spans[part(f.byte_end - 1)][1])
                 for f in found if f.kind == "injection" and f.byte_end > f.byte_start
                 and part(f.byte_start) != part(f.byte_end - 1)]
@@ -409,21 +429,58 @@ class Document:
                 if f.byte_end > f.byte_start
                 and part_of(f.byte_start) != part_of(f.byte_end - 1)]
 
-    def _across_values(self, gate: Gate) -> list[Finding]:
+    def raw_strings(self, with_keys: bool = True) -> list[tuple[int, bytes]]:
+        """Each key (`with_keys`) and value string in document order, with the part holding it."""
         if self.glue is None:
             return []
-        glue, spans = self.glue, self.spans
-        carrying = [k for k in range(len(spans)) if glue[k]]  # a key alone carries no string
-        lines, seams, pos = [], [], 0  # seams: the pair's parts, and where the pair and its seam are scanned
-        for i, j in zip(carrying, carrying[1:]):
-            before, after = glue[i][-_REACH:], glue[j][:_REACH]
-            lines.append(before + after)
-            seams.append((i, j, pos, pos + len(before), pos + len(before) + len(after)))
-            pos += len(before) + len(after) + 1
+        keys = self.keys if self.keys is not None and with_keys else (b"",) * len(self.glue)
+        return [(k, raw) for k in range(len(self.spans)) for raw in (keys[k], self.glue[k]) if raw]
+
+    def _across_values(self, gate: Gate) -> list[Finding]:
+        """A secret split over two neighbouring strings (two values, a key and a value, a value and
+        the next key; next to each other or with one string between), read in either order:
+        `{"b": "<second half>", "a": "<first half>"}` is one key to a reader that joins by name
+        (red team 13). Each pair is scanned as one line; a finding that crosses its seam becomes
+        one finding a side: the fragment itself where its part is plain text (a text block), the
+        whole part where it is JSON (escapes move offsets: more is cut, never less)."""
+        stream = self.raw_strings()
+        lines, seams, pos = [], [], 0  # seams: each side's part and raw string, and where the line and its seam lie
+        neighbours = list(zip(stream, stream[1:])) + list(zip(stream, stream[2:]))  # 2: past a key between two values
+        for (i, a), (j, b) in neighbours:
+            if _repeats(a, b):  # structured content repeating its text block (as the MCP specification asks)
+                continue
+            for (p, x), (q, z) in (((i, a), (j, b)), ((j, b), (i, a))):
+                before, after = x[-_REACH:], z[:_REACH]
+                lines.append(before + after)
+                seams.append((p, x, q, pos, pos + len(before), pos + len(before) + len(after)))
+                pos += len(before) + len(after) + 1
         found = gate.scan_secrets(b"\n".join(lines)) if lines else []
-        return [replace(f, byte_start=spans[i][0], byte_end=spans[j][1])
-                for f in found
-                for i, j, start, seam, end in seams if start <= f.byte_start < seam < f.byte_end <= end]
+        out = []
+        for f in found:
+            for p, x, q, start, seam, end in seams:
+                if start <= f.byte_start < seam < f.byte_end <= end:
+                    out += [self._side(f, p, len(x) - (seam - f.byte_start), len(x)),
+                            self._side(f, q, 0, f.byte_end - seam)]
+        return out
+
+    def split_over_values(self, gate: Gate) -> bool:
+        """Whether a secret shows only when the prose strings (descriptions, titles) are glued to
+        each other, however far apart (a definition's description and a schema property's hold
+        the halves of a token): for a definition, shown whole or not at all, so no span is needed."""
+        keys = self.keys or ()
+        values = [raw for k, raw in self.raw_strings(with_keys=False) if k < len(keys) and keys[k] in _PROSE]
+        if len(values) < 2:
+            return False
+        starts = list(accumulate((len(v) for v in values), initial=0))[:-1]
+        return any(bisect_right(starts, f.byte_start) != bisect_right(starts, f.byte_end - 1)
+                   for f in gate.scan_secrets(b"".join(values)) if f.byte_end > f.byte_start)
+
+    def _side(self, f: Finding, part: int, lo: int, hi: int) -> Finding:
+        """`f` on one part: bytes [lo, hi) of it where the part is its own raw string, else all of it."""
+        s, e = self.spans[part]
+        if self.glue is not None and self.glue[part] == self.data[s:e]:
+            return replace(f, byte_start=s + lo, byte_end=s + hi)
+        return replace(f, byte_start=s, byte_end=e)
 
     def split(self, findings: tuple[Finding, ...], kinds: tuple[str, ...]) -> list[Redaction]:
         """Each part redacted by the findings that overlap it, offsets moved into the part."""
@@ -511,7 +568,7 @@ class Guard:
         started = time.perf_counter()
         try:
             report = self.gate.scan(doc.data, tool=call.tool)
-            if len(doc.spans) < 2:
+            if len(doc.spans) < 2 and len(doc.raw_strings()) < 2:  # nothing to glue: one part, one string
                 return report
             return with_findings(report, doc.glued_secrets(self.gate) + doc.injection_across_values(self.gate))
         except Exception as exc:
@@ -581,6 +638,13 @@ class Guard:
                 return decision
             report, screened, _ = self._decide(call, "definition", doc)
             decision = screened.decision
+            if decision.action == "allow" and any(credential_like(v) for v in _identifiers(item)):
+                decision = Decision("quarantine", ("credential_like_name: a name or URI of this definition holds a "
+                                                   "run of letters and digits like a key; it is not listed",),
+                                    self.policy.bundle_hash)
+            elif decision.action == "allow" and doc.split_over_values(self.gate):
+                decision = Decision("quarantine", ("split_secret: a secret is split over this definition's fields; "
+                                                   "it is not listed",), self.policy.bundle_hash)
             if decision.action != "allow":
                 named = _recorded_name(self.gate, call, item)
                 body = {**self._body("mcp-result", named, doc, report, decision, None), "phase": "definition"}
@@ -650,8 +714,9 @@ class Guard:
         decision = screened.decision
         shown, non_text = _non_text(_redacted_result(result, texts) if texts is not None else result,
                                     decision.non_text)
-        parts = doc.part_digests() if oversized is None else []  # too many to list: the whole's digest only
-        withhold = doc.withheld_digests(whole=oversized is None) if decision.action == "quarantine" else []
+        many = len(result.content) > MAX_BLOCKS
+        parts = [] if many else doc.part_digests()  # too many to list: the whole's digest only
+        withhold = doc.withheld_digests(whole=not many) if decision.action == "quarantine" else []
         body = self._body("mcp-result", call, doc, report, decision, screened.redaction)
         body.update(non_text={"blocks": non_text, "action": decision.non_text}, parts_sha256=parts)
         if decision.action == "quarantine":
@@ -727,14 +792,33 @@ def _definition(item: BaseModel) -> Document:
     dumped = item.model_dump(mode="json", exclude_none=True)
     name = dumped.get("name")
     words = [_WORDS.sub(" ", name)] if isinstance(name, str) else []
-    return Document.of(_json_parts(dumped) + words)
+    return Document.of_json(dumped, after=words)  # its strings glued too: a key split over two fields
+
+
+def _identifiers(item: BaseModel) -> list[str]:
+    """The fields of a definition an agent routes by, which no policy text reads as prose."""
+    return [str(v) for v in (getattr(item, f, None) for f in ("name", "uri", "uri_template")) if v]
+
+
+def credential_like(text: str) -> bool:
+    """Whether `text` holds a run of 20 or more letters and digits, mixing both, at over 4 bits a
+    character: a key, not a word. A red team named tools `t_<token>`, `get<token>`: glued to a
+    prefix, a token starts no word, so no secret rule (they want one) sees it."""
+    return any(_DIGIT.search(run) and _LETTER.search(run) and shannon_entropy(run) > 4.0 for run in _RUN.findall(text))
+
+
+def _repeats(a: bytes, b: bytes) -> bool:
+    """Whether one string repeats the other (the head of either inside the other): glued, the end
+    of a text block and the start of its own copy in structured content read as a key that is
+    nowhere (`...AKIAPTGZ6J` + `FEBZSDOXRL...`)."""
+    return a[:_PROBE] in b or b[:_PROBE] in a
 
 
 def _recorded_name(gate: Gate, call: Call, item: BaseModel) -> Call:
     """The call as a withheld definition's record names it: the name digested where it holds a
-    secret, so the append-only log never keeps one."""
+    secret or a credential-like run, so the append-only log never keeps one."""
     name = str(getattr(item, "name", "") or "")
-    if not gate.scan_secrets(name):
+    if not (gate.scan_secrets(name) or credential_like(name)):
         return call
     return replace(call, tool=f"{call.upstream}{SEPARATOR}[REDACTED:sha256:{hashlib.sha256(name.encode()).hexdigest()[:16]}]")
 
@@ -761,7 +845,8 @@ _KINDS = {"tool": _Kind("tool result", "tool call", "was not called"),
 _LABELS = {"injection_threshold": "prompt-injection", "secret_threshold": "secret", "sensitive_finding": "secret",
            "blocked_tool": "blocked-tool", "quarantined_content": "quarantined-before",
            "withheld_at_boundary": "quarantined-before", "span_limit": "too-long", "session_budget": "session-budget",
-           "result_size": "result-size", "input_invalid": "invalid-policy-input"}
+           "result_size": "result-size", "input_invalid": "invalid-policy-input", "split_secret": "secret",
+           "credential_like_name": "secret"}
 
 
 def _kind(call: Call) -> _Kind:

@@ -133,6 +133,10 @@ class RequestIds:
         except _NotJson as exc:
             await _rpc_error(types.PARSE_ERROR, f"Parse error: {exc}; nothing was called")(scope, receive, send)
             return
+        except RecursionError:  # a red team's 30,000 nested brackets were a 500
+            await _rpc_error(types.PARSE_ERROR, "Parse error: the JSON nests too deeply; nothing was called")(
+                scope, receive, send)
+            return
         except ValueError:
             parsed = None  # not JSON at all: the SDK answers the parse error itself
         if any(_bad_id(m) for m in (parsed if isinstance(parsed, list) else [parsed])):

@@ -780,3 +780,12 @@ def test_a_body_with_a_literal_json_does_not_have_is_a_parse_error_and_nothing_i
     refused = httpx.post(url, headers=session, content=body.encode())
     assert refused.status_code == 400 and refused.json()["error"]["code"] == types.PARSE_ERROR, refused.text
     assert not touched.exists()
+
+
+def test_json_nested_past_the_parsers_depth_is_a_parse_error_not_a_500(deployment: Deployment) -> None:
+    """Red team 13: 30,000 nested brackets in under 100 KB were a 500 (RecursionError)."""
+    url = f"http://127.0.0.1:{PROXY_PORT}/mcp"
+    session = _opened(deployment, "deep")
+    refused = httpx.post(url, headers=session, content=b'{"jsonrpc": "2.0", "id": 9, "method": "ping", "params": '
+                                                         + b"[" * 30_000 + b"]" * 30_000 + b"}")
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == types.PARSE_ERROR, refused.text

@@ -188,3 +188,75 @@ def test_a_quarantined_result_is_refused_again_however_its_blocks_are_joined(gua
     for joiner in ("", " ", "\n", "\r\n"):
         pasted = joiner.join(blocks).encode()
         assert crossings.is_withheld("acme", [normalised_sha256(pasted)]) is not None, repr(joiner)
+
+
+# ---- red team 13 ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind, name", [("tool", f"t_{TOKEN}"), ("tool", f"get{TOKEN}"), ("tool", "a_AKIAPTGZ6JFEBZSDOXRL"),
+                                        ("prompt", f"p_{TOKEN}"), ("resource", f"r_{TOKEN}")])
+def test_a_name_glued_to_a_token_is_withheld_and_never_recorded(guard: Guard, tmp_path: Path, kind: str, name: str) -> None:
+    """Glued to a prefix (`t_`, `get`) a token starts no word, and no secret rule saw it: the tool
+    was listed, callable, and its name written raw into the append-only log."""
+    item: Any = {"tool": lambda: types.Tool(name=name, description="Read.", input_schema={"type": "object"}),
+                 "prompt": lambda: types.Prompt(name=name, description="A prompt."),
+                 "resource": lambda: types.Resource(name=name, uri="file:///notes.txt")}[kind]()
+    assert guard.screen_definition(_call(f"fx__{name}"), item).action != "allow"
+    assert name.split("_", 1)[-1].encode() not in _stored(tmp_path) and b"AKIAPTGZ6JFEBZSDOXRL" not in _stored(tmp_path)
+
+
+def test_a_token_split_over_a_definitions_fields_is_read_whole(guard: Guard) -> None:
+    tool = types.Tool(name="notes", description=f"token {TOKEN[:20]}",
+                      input_schema={"type": "object", "properties": {"q": {"type": "string", "description": TOKEN[20:]}}})
+    assert guard.screen_definition(_call("fx__notes"), tool).action != "allow"
+
+
+@pytest.mark.parametrize("structured", [
+    {"b": TOKEN[20:], "a": f"token {TOKEN[:20]}"},
+    {f"token {TOKEN[:20]}": TOKEN[20:]},
+    {"a": f"token {TOKEN[:20]}", TOKEN[20:]: 1},
+], ids=["reverse-order", "key-and-value", "value-and-key"])
+def test_a_token_split_in_any_order_over_keys_and_values_is_cut(guard: Guard, structured: dict[str, Any]) -> None:
+    outcome = _screened(guard, types.CallToolResult(content=[], structured_content=structured))
+    assert outcome.decision.action in ("redact", "quarantine"), outcome.decision
+    shown = _shown(outcome)
+    assert TOKEN[:20] not in shown and TOKEN[20:] not in shown
+
+
+@pytest.mark.parametrize("encode", [lambda t: t.encode().hex(), lambda t: "".join(f"&#{ord(c)};" for c in t)],
+                         ids=["hex", "html-entities"])
+def test_a_hex_or_entity_encoded_token_in_arguments_is_refused(guard: Guard, encode: Any) -> None:
+    refusal, _ = guard.screen_arguments(_call("fx__echo"), Document.of_arguments({"text": encode(f"token={TOKEN}")}))
+    assert refusal is not None
+
+
+@pytest.mark.parametrize("number", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+def test_arguments_json_cannot_carry_are_refused_on_every_transport(number: float) -> None:
+    """Red team 13: over stdio NaN and 1e999 (an infinity) reached the upstream as null, and the
+    signed record bound `{"x": NaN}`, which is not JSON."""
+    from gateway.mcp.guard import ScreeningError
+
+    with pytest.raises(ScreeningError, match="a number JSON cannot carry"):
+        Document.of_arguments({"x": number})
+
+
+def test_a_result_withheld_for_its_size_is_refused_block_by_block_and_as_pasted_json(guard: Guard, tmp_path: Path) -> None:
+    """Red team 13: a result quarantined for its size, pasted as its first block alone, as two
+    tool messages or as `json.dumps` of its content (what many agent frameworks paste), was accepted."""
+    import json
+
+    from gateway.screen import pasted_digests
+
+    small = Guard(guard.gate, guard.policy, Ledger(f"sqlite:///{tmp_path / 'lethe.db'}", check_invariants=False),
+                  AuditLog(f"sqlite:///{tmp_path / 'lethe.db'}", Signer.load_or_create(tmp_path / "key.pem")),
+                  max_result_bytes=200)
+    blocks = ["first block " * 10, "second block " * 10]
+    result = types.CallToolResult(content=[types.TextContent(type="text", text=b) for b in blocks])
+    assert _screened(small, result).decision.reasons[0].startswith("result_size")
+    crossings = Ledger(f"sqlite:///{tmp_path / 'lethe.db'}", check_invariants=False).crossings
+    pastes = [blocks[0], blocks[1], json.dumps([{"type": "text", "text": b} for b in blocks]),
+              result.model_dump_json(), json.dumps(result.model_dump(mode="json"), indent=2)]
+    for paste in pastes:
+        raw = paste.encode()
+        import hashlib
+        assert crossings.is_withheld("acme", pasted_digests(raw, hashlib.sha256(raw).hexdigest(),
+                                                            normalised_sha256(raw))) is not None, paste[:40]

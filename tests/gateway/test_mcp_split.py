@@ -79,7 +79,11 @@ def _call(proxy: Proxy, name: str, arguments: dict[str, object]) -> tuple[bool, 
     {"text": ["note: AKIAPTGZ6J", "FEBZSDOXRL"]},
     {"a": "AKIAPTGZ6J", "b": "FEBZSDOXRL", "text": "hi"},
     {"text": "hi", "a": "AKIAPTGZ6J", "b": ["FEBZSDOXRL"]},
-], ids=["two-values", "list", "neighbour-after", "neighbour-before-and-a-list"])
+    {"more": "FEBZSDOXRL", "text": "AKIAPTGZ6J"},  # red team 13: the halves in the other order
+    {"AKIAPTGZ6J": "FEBZSDOXRL"},  # a key and its value
+    {"a": "AKIAPTGZ6J", "FEBZSDOXRL": 1},  # a value and the next key
+], ids=["two-values", "list", "neighbour-after", "neighbour-before-and-a-list", "other-order", "key-and-value",
+        "value-and-key"])
 def test_a_key_split_over_argument_values_is_refused_before_the_upstream(proxy: Proxy, arguments) -> None:
     """Red team: the halves of an AWS key id in two argument values passed (each value is a JSON
     part `"key": "value"`, and glued as such the quotes broke the key); each seam between two
@@ -91,8 +95,7 @@ def test_a_key_split_over_argument_values_is_refused_before_the_upstream(proxy: 
 @pytest.mark.parametrize("arguments", [
     {"text": "FEBZSDOXRL then AKIAPTGZ6J"},  # one value: no seam
     {"text": "AKIAPTGZ6J", "more": "hello"},  # a seam, but no key across it
-    {"more": "FEBZSDOXRL", "text": "AKIAPTGZ6J"},  # the halves in the other order
-], ids=["one-value", "no-key-across", "other-order"])
+], ids=["one-value", "no-key-across"])
 def test_argument_values_that_do_not_join_into_a_key_go_ahead(proxy: Proxy, arguments) -> None:
     refused, text = _call(proxy, "fx__echo", arguments)
     assert not refused and text == arguments["text"]
@@ -101,7 +104,6 @@ def test_argument_values_that_do_not_join_into_a_key_go_ahead(proxy: Proxy, argu
 def test_a_key_split_over_json_values_is_found_and_its_parts_are_cut_whole() -> None:
     from gateway.mcp.guard import Document
     doc = Document.of_arguments({"note": "x", "a": "AKIAPTGZ6J", "b": ["FEBZSDOXRL"], "c": "after"})
-    [found] = doc.glued_secrets(Gate())
+    found = {(f.byte_start, f.byte_end) for f in doc.glued_secrets(Gate())}
     first, last = doc.spans[1], doc.spans[3]  # `"a": "AKIAPTGZ6J"`, then `"b"`, then `"FEBZSDOXRL"`
-    assert (found.byte_start, found.byte_end) == (first[0], last[1])
-    assert doc.data[found.byte_start:found.byte_end].startswith(b'"a": "AKIAPTGZ6J"')
+    assert found == {first, last}  # each JSON part holding a fragment, whole (escapes move offsets)
