@@ -88,13 +88,17 @@ _PLACEHOLDER = re.compile(r"(?i)passw|secret|example|sample|changeme|dummy|place
 
 # tokens whose own rule verifies a checksum: a failed checksum means "not that token", not "generic secret"
 _CHECKSUMMED = re.compile(r"(?:gh[pousr]|npm)_[A-Za-z0-9]{36}")
+# a password's hash in a known scheme (Django, passlib, crypt, bcrypt, argon2): what a fixture or a
+# user table stores instead of the password, not a credential (a blind set's fixtures file)
+_PASSWORD_HASH = re.compile(r"(?:pbkdf2_sha(?:1|256|512)|pbkdf2|argon2(?:id|i|d)?|bcrypt(?:_sha256)?|scrypt|sha1|md5|sha256|sha512|crypt)\$|\$(?:2[abxy]?|5|6|y|argon2(?:id|i|d)?|scrypt|pbkdf2[-_a-z0-9]*)\$")
 
 
 def _generic_value(secret: str) -> bool:
     """A value assigned to a password/key/token name that is a credential rather than code:
     not an identifier, dotted name, number, version, path or placeholder, and with a digit or
     symbol in it (random tokens of 8+ characters almost always have one; identifiers do not)."""
-    if _PLACEHOLDER.search(secret) or secret.startswith(("/", "./", "~")) or _CHECKSUMMED.fullmatch(secret):
+    if _PLACEHOLDER.search(secret) or secret.startswith(("/", "./", "~")) or _CHECKSUMMED.fullmatch(secret) \
+            or _PASSWORD_HASH.match(secret):
         return False
     if _IDENTIFIER.fullmatch(secret) and not _random_case(secret):
         return False

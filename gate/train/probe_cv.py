@@ -339,11 +339,24 @@ def report(wide: FeatureSet, inst: dict, res: dict, threshold: float | None = No
     return {"threshold_1pct_pooled": round(t1, 4), "by_kind": by_kind, "by_attack_recall_at_1pct_fpr": by_attack}
 
 
+def byte_gate_version() -> str:
+    """A digest of what the byte gate's injection score depends on: its rules, its heuristics and
+    its learned layer's weights (a cache keyed by content alone served stale scores after a change)."""
+    from gate import heuristics
+    from gate.learned import WEIGHTS_PATH
+    from gate.heuristics import RULES_PATH
+
+    h = hashlib.sha256()
+    for path in (RULES_PATH, Path(heuristics.__file__), WEIGHTS_PATH):
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def byte_scores(rows: list[dict], name: str) -> np.ndarray:
-    """The byte gate's injection probability per row, cached by content."""
+    """The byte gate's injection probability per row, cached by content and `byte_gate_version`."""
     from gate.core import Gate
 
-    key = hashlib.sha256(json.dumps([r["text"] for r in rows]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(json.dumps([[r["text"] for r in rows], byte_gate_version()]).encode()).hexdigest()[:16]
     path = CACHE_DIR / f"byte-{name}-{key}.npy"
     if path.is_file():
         return np.load(path)
@@ -396,6 +409,10 @@ SETTINGS = [
     Setting(LAYERS, 1e-1, 2, True, extra=True, third=True, fourth=True, redteam=REDTEAM_TRAIN[:19], calibrate_redteam=True,
             policy_fpr=0.02, redteam_weight=0.2),
     Setting(LAYERS, 1e-1, 2, True, extra=True, third=True, fourth=True, redteam=REDTEAM_TRAIN[:19], calibrate_redteam=True,
+            policy_fpr=0.02, redteam_weight=0.1),
+    # 27 with s15 (development data since its decision) in training: the candidate judged on s16 when its
+    # wide-set CV is >= 0.80, else 27 itself (gate/data/rule_s16.md, written before s16 existed)
+    Setting(LAYERS, 1e-1, 2, True, extra=True, third=True, fourth=True, redteam=REDTEAM_TRAIN[:20], calibrate_redteam=True,
             policy_fpr=0.02, redteam_weight=0.1),
 ]
 

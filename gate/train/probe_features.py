@@ -42,7 +42,7 @@ REDTEAM_TRAIN = ("fresh_redteam_s4.jsonl", "fresh_redteam_s5.jsonl", "fresh_redt
                  "redteam_train_t3.jsonl", "fresh_redteam_s10.jsonl", "fresh_redteam_s11.jsonl", "redteam_train_t7.jsonl",
                  "redteam_train_t4.jsonl", "redteam_train_t5.jsonl", "redteam_train_t6.jsonl",
                  "fresh_redteam_s12.jsonl", "fresh_redteam_s13.jsonl", "fresh_redteam_s14.jsonl",
-                 "redteam_train_t8.jsonl")
+                 "redteam_train_t8.jsonl", "fresh_redteam_s15.jsonl")
 # The sets a probe setting may train on besides the wide set and the corpus (``load_all``'s names).
 TRAINING_SETS = ("contrast", "contrast-extra", "contrast-third", "contrast-fourth", "redteam")
 
