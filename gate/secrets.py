@@ -130,7 +130,14 @@ def _bitcoin_wif(secret: str) -> bool:
         hashlib.sha256(hashlib.sha256(payload).digest()).digest()[:4] == check
 
 
+def _session_value(secret: str) -> bool:
+    """A session id: random letters and digits (a server's `node0….node0` or a Django key reads
+    as a dotted or plain identifier to `_generic_value`, but random ids always carry a digit)."""
+    return not _PLACEHOLDER.search(secret) and bool(re.search(r"[0-9]", secret)) and bool(re.search(r"[A-Za-z]", secret))
+
+
 CHECKSUMS: dict[str, Callable[[str], bool]] = {
+    "session-value": _session_value,
     "github-crc32": _github_crc32,
     "jwt": _jwt,
     "basic-auth": _basic_auth,

@@ -22,7 +22,7 @@ import binascii
 import html
 import re
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +36,14 @@ _SIMPLE = {b"n": b"\n", b"r": b"\r", b"t": b"\t", b"b": b"\b", b"f": b"\f", b'"'
 _PERCENT = re.compile(rb"(?:%[0-9A-Fa-f]{2})+")
 _ENTITIES = re.compile(rb"(?:&(?:#[0-9]{1,7}|#[xX][0-9A-Fa-f]{1,6}|[A-Za-z]{2,8});)+")  # HTML/XML character references
 _HEX = re.compile(rb"(?<![0-9A-Fa-f])(?:[0-9A-Fa-f]{2}){16,}(?![0-9A-Fa-f])")  # 16 bytes or more
+_FOLD = re.compile(rb"\r\n[ \t]")  # a folded line (RFC 5545 iCalendar, RFC 5322 headers): unfolded by deleting it
+GUTTER_LINES = 3
+_GUTTER = re.compile("(?m)^[ \t]{0,8}[0-9]{1,6}(?:\u2192|\t|[ \t]{1,3}\\|[ \t]?|:[ \t])".encode())
+_RULE_LINE = re.compile(rb"(?m)^[ \t]{0,8}[|+]?[ \t]{0,3}:?-{3}[-+|: \t]{0,2000}\r?$")  # a table's rule: |---|---| or ----+----
+# a column that names a secret's digest, part or metadata, not the secret (`sha256_of_token`, `key_last4`)
+_NOT_SECRET = re.compile(rb"(?i)hash|sha[0-9]|digest|fingerprint|last_?[0-9]|prefix|suffix|hint|mask|_ids?$|name|type|ur[li]|count|len|expir|created|updated|_at$|ttl|scope|public")
+_TOKEN_BYTES = {bytes([c]) for c in b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_+/="}
+_SECRET_NAME = re.compile(rb"(?i)passw|passphrase|pwd|secret|token|api[_\-.]?key|apikey|private[_\-.]?key|_key$|credential|_pat$")
 _BASE64 = re.compile(rb"(?<![A-Za-z0-9+/_-])[A-Za-z0-9+/_-]{%d,}={0,2}" % MIN_BASE64)
 
 
@@ -63,16 +71,19 @@ Replace = Callable[[re.Match[bytes]], bytes | None]  # a match's replacement; No
 def _rewrite(reading: Reading, pattern: re.Pattern[bytes], replace: Replace) -> Reading | None:
     """`reading` with each match of `pattern` replaced (each byte of a replacement comes from the
     whole match); None when nothing was replaced."""
+    edits = ((m.start(), m.end(), replace(m)) for m in pattern.finditer(reading.data))
+    return _edited(reading, ((s, e, out) for s, e, out in edits if out is not None))
+
+
+def _edited(reading: Reading, edits: Iterable[tuple[int, int, bytes]]) -> Reading | None:
+    """`reading` with each span [s, e) replaced by its bytes (in order, not overlapping; each byte
+    of a replacement comes from the whole span); None when there was no edit."""
     data = reading.data
     pieces: list[bytes] = []
     first: list[np.ndarray] = []
     last: list[np.ndarray] = []
     at, changed = 0, False
-    for m in pattern.finditer(data):
-        out = replace(m)
-        if out is None:
-            continue
-        s, e = m.span()
+    for s, e, out in edits:
         pieces += [data[at:s], out]
         first += [np.arange(at, s, dtype=np.int64), np.full(len(out), s, dtype=np.int64)]
         last += [np.arange(at, s, dtype=np.int64), np.full(len(out), e - 1, dtype=np.int64)]
@@ -152,6 +163,79 @@ def _levels(reading: Reading, pattern: re.Pattern[bytes], replace: Replace, leve
     return out
 
 
+def _gutterless(reading: Reading) -> list[Reading]:
+    """A numbered listing (`cat -n`, an editor's `12→`, a code search's `12 | `) without its line
+    numbers, when at least `GUTTER_LINES` lines carry one: a key block's lines are contiguous again."""
+    if len(_GUTTER.findall(reading.data, 0, 1 << 16)) < GUTTER_LINES:
+        return []
+    out = _rewrite(reading, _GUTTER, lambda m: b"")
+    return [out] if out is not None else []
+
+
+def _cells(line: bytes, at: int) -> list[tuple[int, int]]:
+    """The spans (in the document, `at` being the line's offset) of a table row's cells, spaces
+    trimmed; a leading and a trailing pipe open and close the row."""
+    bounds = [-1] + [i for i, ch in enumerate(line) if ch == 0x7C] + [len(line)]
+    spans = []
+    for a, b in zip(bounds, bounds[1:]):
+        cell = line[a + 1:b]
+        lead = len(cell) - len(cell.lstrip())
+        spans.append((at + a + 1 + lead, at + a + 1 + lead + len(cell.strip())))
+    if line.strip().startswith(b"|"):
+        spans = spans[1:]
+    if line.strip().endswith(b"|"):
+        spans = spans[:-1]
+    return spans
+
+
+def _table_edits(data: bytes) -> Iterator[tuple[int, int, bytes]]:
+    """Each cell of a pipe table (psql, mysql, Markdown) under a header that names a secret,
+    rewritten `header=cell`: a token in a `users` table's `api_token` column reads as assigned."""
+    lines, at = [], 0
+    for line in data.split(b"\n"):
+        lines.append((at, line.rstrip(b"\r")))
+        at += len(line) + 1
+    header: list[bytes] | None = None
+    for i, (at, line) in enumerate(lines):
+        if _RULE_LINE.fullmatch(line):
+            if header is None and i > 0 and b"|" in lines[i - 1][1]:
+                prev_at, prev = lines[i - 1]
+                header = [prev[s - prev_at:e - prev_at] for s, e in _cells(prev, prev_at)]
+            continue
+        if header is None or b"|" not in line:
+            header = None
+            continue
+        cells = _cells(line, at)
+        if len(cells) == len(header):
+            for name, (s, e) in zip(header, cells):
+                if e > s and _SECRET_NAME.search(name) and not _NOT_SECRET.search(name):
+                    yield s, e, name + b"=" + data[s:e]
+
+
+def _tables(reading: Reading) -> list[Reading]:
+    if b"|" not in reading.data or not _RULE_LINE.search(reading.data):
+        return []
+    out = _edited(reading, _table_edits(reading.data))
+    return [out] if out is not None else []
+
+
+def _wrap_edits(data: bytes) -> Iterator[tuple[int, int, bytes]]:
+    """Each newline a terminal or a pager put inside a quoted token (`"KEY=sk-proj` then
+    `-bn…"` on the next line): the line left a double quote open and the break falls between
+    token characters. JSON cannot hold a raw newline in a string, so such a break is a wrap."""
+    at, open_quote = 0, 0
+    for line in data.split(b"\n")[:-1]:
+        at += len(line) + 1
+        open_quote ^= line.count(b'"') % 2  # a wrapped line's quotes count with the line it continues
+        if open_quote and line[-1:].isalnum() and data[at:at + 1] in _TOKEN_BYTES:
+            yield at - 1, at, b""
+
+
+def _unwrapped(reading: Reading) -> list[Reading]:
+    out = _edited(reading, _wrap_edits(reading.data)) if b'"' in reading.data else None
+    return [out] if out is not None else []
+
+
 def readings(data: bytes) -> list[Reading]:
     """Every escape-free and base64-decoded reading of `data` that differs from it: the escape
     levels, the base64 levels of the escape-free text, and that last reading with its own escapes undone."""
@@ -162,4 +246,5 @@ def readings(data: bytes) -> list[Reading]:
     unhexed = _levels(base, _HEX, _unhex, 1)
     decoded = _levels(base, _BASE64, _decoded, BASE64_LEVELS)
     again = _levels(decoded[-1], _ESCAPE, _unescape, ESCAPE_LEVELS, cue=b"\\") if decoded else []
-    return plain + unquoted + unentity + unhexed + decoded + again
+    unfolded = _levels(base, _FOLD, lambda m: b"", 1, cue=b"\r\n")
+    return plain + unquoted + unentity + unhexed + decoded + again + unfolded + _gutterless(base) + _tables(base) + _unwrapped(base)

@@ -93,6 +93,12 @@ WORST_CASES: dict[str, Callable[[int], bytes]] = {
     "literal-pair-openers": _repeat('"api_key", '),
     "table-row-openers": _repeat("\napi_token   "),
     "login-openers": _repeat("docker login -u a "),
+    "folded-lines": _repeat("\r\n k"),
+    "numbered-lines": _repeat("12\u2192x\n"),
+    "pipe-table": lambda n: ("| api_token | b |\n|---|---|\n" + "| k9Zq2LmX7vPq3RtY | y |\n" * (n // 23)).encode()[:n],
+    "table-rule-dashes": _repeat("-" * 1990 + "x\n"),
+    "wrapped-quotes": _repeat('"ab\ncd'),
+    "session-cookie-openers": _repeat("; sessionid="),
     "random-bytes": _random_bytes,
     "random-unicode": _random_unicode,
 }

@@ -69,3 +69,40 @@ def test_ordinary_base64_and_escapes_add_no_finding(gate: Gate) -> None:
     prose = base64.b64encode(b"The meeting moved to Thursday at ten; bring the quarterly figures.").decode()
     data = json.dumps({"image": picture, "note": prose, "text": "line one\nline \"two\"\n"}).encode()
     assert _found(gate, data) == set()
+
+
+def _secret_spans(gate: Gate, data: bytes) -> list[bytes]:
+    return [data[f.byte_start:f.byte_end] for f in gate.scan(data).findings if f.kind == "secret"]
+
+
+def test_a_key_in_a_folded_calendar_line_is_found_whole_across_the_fold(gate: Gate) -> None:
+    data = (f"BEGIN:VEVENT\r\nDESCRIPTION:creds\\naws_secret_access_key: {SECRET[:20]}\r\n {SECRET[20:]}\\n"
+            "end\r\nEND:VEVENT\r\n").encode()
+    assert any(SECRET[:20].encode() in s and SECRET[20:].encode() in s for s in _secret_spans(gate, data))
+
+
+def test_a_private_key_in_a_numbered_listing_is_found_without_its_line_numbers(gate: Gate) -> None:
+    body = base64.b64encode(bytes(range(256)) * 2).decode()
+    lines = ["-----BEGIN RSA PRIVATE KEY-----"] + [body[i:i + 64] for i in range(0, 512, 64)] + ["-----END RSA PRIVATE KEY-----"]
+    for gutter in ("{n:>6}\u2192", "{n:>4} | ", "{n}: "):
+        data = "\n".join(gutter.format(n=n) + line for n, line in enumerate(lines, 1)).encode()
+        assert any(s.startswith(b"-----BEGIN RSA") and s.endswith(b"-----END RSA PRIVATE KEY-----")
+                   for s in _secret_spans(gate, data)), gutter
+
+
+def test_a_token_under_a_secret_column_of_a_query_result_is_found_and_its_digest_column_is_not(gate: Gate) -> None:
+    token, digest = "pat_UmpVywTdmCxrlNDBUTQfXXK5j58SjigHoDJTbQdJ", "6f036318a23a6ea02b76df97598f151d13f83e2abc0b82be8bd547c409a71ded"
+    psql = (" id | email          | api_token\n----+----------------+----------\n"
+            f"  1 | ann@example.com | {token}\n(1 row)\n").encode()
+    assert _secret_spans(gate, psql) == [token.encode()]
+    hashed = (" id | sha256_of_token | last4\n----+-----------------+------\n"
+              f"  1 | {digest} | mDcG\n").encode()
+    assert _secret_spans(gate, hashed) == []
+
+
+def test_a_token_a_terminal_wrapped_inside_a_quoted_string_is_found_whole(gate: Gate) -> None:
+    key = "sk-proj-bniove65_KRQhrF6LXXTiwuyD3AU82SFBJdLiU4xKkInUcJ7rHzqW_R3jNQ1-ilcWJiJHfWUONT3BlbkFJu_5hdUfI2OCsePrwLsXIh1Zyf0"
+    data = f'["LANG=C.UTF-8", "OPENAI_API_KEY={key[:40]}\n{key[40:]}", "X=1"]'.encode()
+    assert any(key[:40].encode() in s and key[40:].encode() in s for s in _secret_spans(gate, data))
+    prose = b'He said "the key\nis under the mat" and left.\n'
+    assert _secret_spans(gate, prose) == []
