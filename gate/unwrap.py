@@ -77,23 +77,35 @@ def _rewrite(reading: Reading, pattern: re.Pattern[bytes], replace: Replace) -> 
 
 def _edited(reading: Reading, edits: Iterable[tuple[int, int, bytes]]) -> Reading | None:
     """`reading` with each span [s, e) replaced by its bytes (in order, not overlapping; each byte
-    of a replacement comes from the whole span); None when there was no edit."""
+    of a replacement comes from the whole span); None when there was no edit. The byte map is
+    built segment by segment with `np.repeat`, not an array a match: a JSON string of a thousand
+    escapes costs a thousand list appends."""
     data = reading.data
     pieces: list[bytes] = []
-    first: list[np.ndarray] = []
-    last: list[np.ndarray] = []
+    lens: list[int] = []  # each output segment: its length, the raw span its first and last bytes map to,
+    first: list[int] = []  # and whether it is kept (byte i maps to first + i) or a replacement (all
+    last: list[int] = []  # its bytes map to the edited span)
+    kept: list[int] = []
     at, changed = 0, False
     for s, e, out in edits:
         pieces += [data[at:s], out]
-        first += [np.arange(at, s, dtype=np.int64), np.full(len(out), s, dtype=np.int64)]
-        last += [np.arange(at, s, dtype=np.int64), np.full(len(out), e - 1, dtype=np.int64)]
+        lens += [s - at, len(out)]
+        first += [at, s]
+        last += [at, e - 1]
+        kept += [1, 0]
         at, changed = e, True
     if not changed:
         return None
     pieces.append(data[at:])
-    first.append(np.arange(at, len(data), dtype=np.int64))
-    last.append(np.arange(at, len(data), dtype=np.int64))
-    a, b = np.concatenate(first), np.concatenate(last)
+    lens.append(len(data) - at)
+    first.append(at)
+    last.append(at)
+    kept.append(1)
+    n = np.asarray(lens, dtype=np.int64)
+    within = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
+    step = within * np.repeat(np.asarray(kept, dtype=np.int64), n)
+    a = np.repeat(np.asarray(first, dtype=np.int64), n) + step
+    b = np.repeat(np.asarray(last, dtype=np.int64), n) + step
     return Reading(b"".join(pieces), reading.starts[a], reading.ends[b])
 
 

@@ -35,7 +35,7 @@ from bisect import bisect_right
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from itertools import accumulate
+from itertools import accumulate, groupby
 from typing import Any
 
 import mcp.types as types
@@ -414,16 +414,26 @@ class Document:
                 and part(f.byte_start) != part(f.byte_end - 1)]
 
     def _across(self, gate: Gate) -> list[Finding]:
-        starts = list(accumulate((e - s for s, e in self.spans), initial=0))
+        """Each run of two or more plain parts (text blocks, block fields) scanned glued. A seam
+        beside a JSON part (`"key": "..."`) starts or ends with a quote, which ends any token;
+        its raw strings are `_across_values`'s to read, so gluing the JSON text adds nothing but
+        an unescape of every quote in it (a result's structured copy of its text block)."""
+        lo, hi = self.values or (0, 0)
+        runs = [list(g) for json_part, g in groupby(range(len(self.spans)), key=lambda k: lo <= k < hi) if not json_part]
+        return [f for run in runs if len(run) > 1 for f in self._glued(gate, run)]
+
+    def _glued(self, gate: Gate, run: list[int]) -> list[Finding]:
+        spans = [self.spans[k] for k in run]
+        starts = list(accumulate((e - s for s, e in spans), initial=0))
 
         def part_of(glued: int) -> int:
-            return min(bisect_right(starts, glued) - 1, len(self.spans) - 1)
+            return min(bisect_right(starts, glued) - 1, len(spans) - 1)
 
         def moved(glued: int) -> int:
             k = part_of(glued)
-            return self.spans[k][0] + glued - starts[k]
+            return spans[k][0] + glued - starts[k]
 
-        glued = b"".join(self.data[s:e] for s, e in self.spans)
+        glued = b"".join(self.data[s:e] for s, e in spans)
         return [replace(f, byte_start=moved(f.byte_start), byte_end=moved(f.byte_end - 1) + 1)
                 for f in gate.scan_secrets(glued)
                 if f.byte_end > f.byte_start
