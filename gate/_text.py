@@ -9,6 +9,7 @@ by U+FFFD in ``text`` (one character per invalid byte, so the char→byte map st
 from __future__ import annotations
 
 import functools
+import re
 import unicodedata
 from dataclasses import dataclass, field, replace
 
@@ -123,8 +124,10 @@ def _decode_invalid(data: bytes) -> Decoded:
 # findings on a view report original offsets.
 
 # Default_Ignorable_Code_Point (Unicode DerivedCoreProperties) plus every other format (Cf)
-# character, computed per distinct code point below.
+# character, computed per distinct code point below, and the control characters that render as
+# nothing (NUL, backspace, ESC, DEL: one between every letter of a key hid it from every rule).
 _IGNORABLE_RANGES = (
+    (0x0000, 0x0008), (0x000E, 0x001F), (0x007F, 0x009F),  # C0 controls but tab, LF, VT, FF, CR; DEL, C1 (red team 14)
     (0x00AD, 0x00AD), (0x034F, 0x034F), (0x061C, 0x061C), (0x17B4, 0x17B5),
     (0x180B, 0x180F), (0x200B, 0x200F), (0x202A, 0x202E), (0x2060, 0x206F),
     (0xFE00, 0xFE0F), (0xFEFF, 0xFEFF), (0x1BCA0, 0x1BCA3), (0x1D173, 0x1D17A),
@@ -174,6 +177,7 @@ class View:
         return tuple(v for v in (self, self.alt) if v is not None and v.changed)
 
 
+_CONTROLS = re.compile("[\x00-\x08\x0e-\x1f\x7f]")  # ASCII text that still needs a view: NUL, ESC, DEL...
 _IGNORE, _ALPHA, _NFKC_CHANGES, _SEPARATOR, _MARKED, _COMBINING = 1, 2, 4, 8, 16, 32
 _MARKS = frozenset({"Mn", "Me"})
 
@@ -281,7 +285,7 @@ def detection_view(doc: Decoded) -> View:
     """The normalised text the injection layers scan, and its second reading where that differs,
     with maps back to ``doc.raw`` (linear time)."""
     identity = View(doc.clean, doc.text, doc.char_to_byte, np.arange(len(doc.clean) + 1, dtype=np.int64))
-    if doc.text.isascii():
+    if doc.text.isascii() and not _CONTROLS.search(doc.text):
         return identity
     unique = np.unique(doc.cps)
     view = _reading(doc, _replacements(unique, alt=False)) or identity

@@ -83,14 +83,14 @@ def _basic_auth(secret: str) -> bool:
 
 
 _IDENTIFIER = re.compile(r"[A-Za-z_.\-]+|[0-9.,:_/\-]+|[a-z]+(?:[A-Z][a-z]+)+[0-9]?|[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
-_PLACEHOLDER = re.compile(r"(?i)passw|secret|example|sample|changeme|dummy|placeholder|redacted|your|xxxx|\*\*\*|<|>|\.\.\.|^true$|^false$|^none$|^null$")
+_PLACEHOLDER = re.compile(r"(?i)passw|secret|example|^anonymous|sample|changeme|dummy|placeholder|redacted|your|xxxx|\*\*\*|<|>|\.\.\.|^true$|^false$|^none$|^null$")
 
 
 # tokens whose own rule verifies a checksum: a failed checksum means "not that token", not "generic secret"
 _CHECKSUMMED = re.compile(r"(?:gh[pousr]|npm)_[A-Za-z0-9]{36}")
 # a password's hash in a known scheme (Django, passlib, crypt, bcrypt, argon2): what a fixture or a
 # user table stores instead of the password, not a credential (a blind set's fixtures file)
-_PASSWORD_HASH = re.compile(r"(?:pbkdf2_sha(?:1|256|512)|pbkdf2|argon2(?:id|i|d)?|bcrypt(?:_sha256)?|scrypt|sha1|md5|sha256|sha512|crypt)\$|\$(?:2[abxy]?|5|6|y|argon2(?:id|i|d)?|scrypt|pbkdf2[-_a-z0-9]*)\$")
+_PASSWORD_HASH = re.compile(r"(?:pbkdf2_sha(?:1|256|512)|pbkdf2|argon2(?:id|i|d)?|bcrypt(?:_sha256)?|scrypt|sha1|md5|sha256|sha512|crypt)\$|\$(?:2[abxy]?|5|6|y|argon2(?:id|i|d)?|scrypt|pbkdf2[-_a-z0-9]*)\$|\*[0-9A-F]{40}$")  # the last: MySQL's mysql_native_password
 
 
 def _generic_value(secret: str) -> bool:
@@ -136,8 +136,15 @@ def _session_value(secret: str) -> bool:
     return not _PLACEHOLDER.search(secret) and bool(re.search(r"[0-9]", secret)) and bool(re.search(r"[A-Za-z]", secret))
 
 
+def _table_value(secret: str) -> bool:
+    """A table cell under or beside a secret's name: a generic value, but not a short hex digest
+    (`fly secrets list` and `docker images` print 12-16 hex digits where the value would be)."""
+    return _generic_value(secret) and not re.fullmatch(r"[0-9a-f]{8,16}", secret)
+
+
 CHECKSUMS: dict[str, Callable[[str], bool]] = {
     "session-value": _session_value,
+    "table-value": _table_value,
     "github-crc32": _github_crc32,
     "jwt": _jwt,
     "basic-auth": _basic_auth,

@@ -395,23 +395,31 @@ class Document:
         return self._across(gate) + self._across_values(gate)
 
     def injection_across_values(self, gate: Gate) -> list[Finding]:
-        """Injection findings that only the JSON values' raw strings read together show: each part
-        is `"key": "value"`, and quotes and keys between two values break a phrase an agent's model
-        reads whole (`{"a": "Ignore all previous", "b": "instructions and send ..."}`). The values
-        are scanned once more joined by spaces; a finding that crosses a value's end covers its
-        parts whole. One scan more, for documents of two or more values only: linear."""
-        lo, hi = self.values or (0, 0)
-        stream = [(k, raw) for k, raw in self.raw_strings(with_keys=False) if lo <= k < hi]
-        if len({k for k, _ in stream}) < 2:
-            return []
+        """Injection findings that only the strings read together show: each JSON part is
+        `"key": "value"`, and quotes and keys between two strings break a phrase an agent's model
+        reads whole (`{"a": "Ignore all previous", "b": "instructions and send ..."}`; a text block
+        and structured content; a key and its value; a definition's description and its title:
+        red team 14). Every text block, key and value string (a string repeating the one before it,
+        structured content's copy of its text block, left out) is scanned once more joined by
+        spaces, in document order and in reverse order (a key read after its value), and the text
+        blocks and values alone (a key between a text block and a value breaks the phrase); a
+        finding that crosses a string's end covers its parts whole. Three scans more: linear."""
+        stream, values = _distinct(self.raw_strings()), _distinct(self.raw_strings(with_keys=False))
+        found = self._joined_injection(gate, stream) + self._joined_injection(gate, stream[::-1]) if len(stream) > 1 else []
+        return found + (self._joined_injection(gate, values) if 1 < len(values) < len(stream) else [])
+
+    def _joined_injection(self, gate: Gate, stream: list[tuple[int, bytes]]) -> list[Finding]:
         starts = list(accumulate((len(raw) + 1 for _, raw in stream), initial=0))[:-1]
         found = gate.scan(b" ".join(raw for _, raw in stream)).findings
 
-        def part(offset: int) -> int:
-            return stream[bisect_right(starts, offset) - 1][0]
-        return [replace(f, byte_start=self.spans[part(f.byte_start)][0], byte_end=self.spans[part(f.byte_end - 1)][1])
-                for f in found if f.kind == "injection" and f.byte_end > f.byte_start
-                and part(f.byte_start) != part(f.byte_end - 1)]
+        def string(offset: int) -> int:
+            return bisect_right(starts, offset) - 1
+
+        def covered(f: Finding) -> Finding:
+            a, b = sorted((stream[string(f.byte_start)][0], stream[string(f.byte_end - 1)][0]))
+            return replace(f, byte_start=self.spans[a][0], byte_end=self.spans[b][1])
+        return [covered(f) for f in found if f.kind == "injection" and f.byte_end > f.byte_start
+                and string(f.byte_start) != string(f.byte_end - 1)]
 
     def _across(self, gate: Gate) -> list[Finding]:
         """Each run of two or more plain parts (text blocks, block fields) scanned glued. A seam
@@ -473,12 +481,16 @@ class Document:
                             self._side(f, q, 0, f.byte_end - seam)]
         return out
 
+    def prose(self) -> list[bytes]:
+        """A definition's descriptions and titles, in document order."""
+        keys = self.keys or ()
+        return [raw for k, raw in self.raw_strings(with_keys=False) if k < len(keys) and keys[k] in _PROSE]
+
     def split_over_values(self, gate: Gate) -> bool:
         """Whether a secret shows only when the prose strings (descriptions, titles) are glued to
         each other, however far apart (a definition's description and a schema property's hold
         the halves of a token): for a definition, shown whole or not at all, so no span is needed."""
-        keys = self.keys or ()
-        values = [raw for k, raw in self.raw_strings(with_keys=False) if k < len(keys) and keys[k] in _PROSE]
+        values = self.prose()
         if len(values) < 2:
             return False
         starts = list(accumulate((len(v) for v in values), initial=0))[:-1]
@@ -631,6 +643,15 @@ class Guard:
             seen = self._digests[id(item)] = (item, _definition(item).sha256)
         return seen[1]
 
+    def _prose_refused(self, call: Call, doc: Document) -> bool:
+        """Whether the policy refuses a definition's descriptions and titles read as one text, in
+        either order (red team 14: an instruction's halves in a description and a title, or in a
+        description and a parameter's, however far apart in the schema)."""
+        prose = doc.prose()
+        return len(prose) > 1 and any(
+            self._decide(call, "definition", Document.of([b" ".join(order).decode("utf-8", "replace")]))[1].decision.action
+            != "allow" for order in (prose, prose[::-1]))
+
     def screen_definition(self, call: Call, item: BaseModel) -> Decision:
         """Whether the agent may see this tool, resource, resource template or prompt: its definition
         (description, titles, URI, schema and argument text) reaches the agent's model too, so a
@@ -655,6 +676,9 @@ class Guard:
             elif decision.action == "allow" and doc.split_over_values(self.gate):
                 decision = Decision("quarantine", ("split_secret: a secret is split over this definition's fields; "
                                                    "it is not listed",), self.policy.bundle_hash)
+            elif decision.action == "allow" and self._prose_refused(call, doc):
+                decision = Decision("quarantine", ("split_injection: this definition's descriptions and titles read "
+                                                   "together are refused; it is not listed",), self.policy.bundle_hash)
             if decision.action != "allow":
                 named = _recorded_name(self.gate, call, item)
                 body = {**self._body("mcp-result", named, doc, report, decision, None), "phase": "definition"}
@@ -815,6 +839,16 @@ def credential_like(text: str) -> bool:
     character: a key, not a word. A red team named tools `t_<token>`, `get<token>`: glued to a
     prefix, a token starts no word, so no secret rule (they want one) sees it."""
     return any(_DIGIT.search(run) and _LETTER.search(run) and shannon_entropy(run) > 4.0 for run in _RUN.findall(text))
+
+
+def _distinct(stream: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+    """The strings, less each that repeats the one before it (structured content's copy of its
+    text block); a short string is a repeat only when equal (a key inside a long text is not)."""
+    out: list[tuple[int, bytes]] = []
+    for k, raw in stream:
+        if not (out and (raw == out[-1][1] or min(len(raw), len(out[-1][1])) >= _PROBE and _repeats(out[-1][1], raw))):
+            out.append((k, raw))
+    return out
 
 
 def _repeats(a: bytes, b: bytes) -> bool:

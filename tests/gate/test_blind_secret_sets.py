@@ -8,9 +8,11 @@ import pytest
 from gate import Gate
 from gate.evaluate import BLIND_SECRET_SETS, DATA_DIR, evaluate_secret_set
 
-# Each set's recall after its own misses were fixed (first contact: 0.802, 0.873, 0.855, 0.910; README).
+# Each set's recall after its own misses were fixed (first contact: 0.802, 0.873, 0.855, 0.910, 0.826;
+# README). b5's misses are not fixed yet (only its benign rows' false positives): its floor is its
+# first-contact recall, kept from falling.
 FLOORS = {"blind_secrets_b1.jsonl": 0.99, "blind_secrets_b2.jsonl": 0.98, "blind_secrets_b3.jsonl": 0.93,
-          "blind_secrets_b4.jsonl": 0.98}
+          "blind_secrets_b4.jsonl": 0.98, "blind_secrets_b5.jsonl": 0.82}
 
 
 @pytest.fixture(scope="module")
