@@ -18,7 +18,7 @@ from .joined import JOIN_WINDOW, scan_joined
 from .learned import WEIGHTS_PATH, NgramScorer
 from .engine import require_hyperscan
 from .errors import GateError
-from .unwrap import readings
+from .unwrap import readings, text_readings
 from .secrets import Allowlist, SecretRule, SecretScanner, load_gitleaks, load_rules
 
 log = structlog.get_logger(__name__)
@@ -57,6 +57,7 @@ class Gate:
         spans = [(f.byte_start, f.byte_end) for f in secrets]
         findings += secrets
         findings += self.heuristics.scan(doc, view, lambda b0, b1: _excerpt(doc, b0, b1, spans))
+        findings += self._escaped_injection(doc, spans)
         findings.sort(key=_reading_order)
         report = GateReport(
             injection=_noisy_or(f for f in findings if f.kind == "injection"),
@@ -91,6 +92,19 @@ class Gate:
                     seen.add((f.rule_id, s, e))
                     secrets.append(replace(f, byte_start=s, byte_end=e))
         return secrets
+
+    def _escaped_injection(self, doc: Decoded, spans: list[tuple[int, int]]) -> list[Finding]:
+        """The injection rules' findings on the readings with escapes undone (`text_readings`),
+        at the raw spans they came from. Rules only: the learned window and its calibration stay
+        as trained, on the text as it arrived."""
+        out: list[Finding] = []
+        for unwrapped in text_readings(doc.clean):
+            inner = _decoded(unwrapped.data)
+            for f in self.heuristics.scan(inner, detection_view(inner), lambda b0, b1: ""):
+                if f.kind == "injection" and f.layer != "learned" and f.byte_end > f.byte_start:
+                    s, e = unwrapped.raw_span(f.byte_start, f.byte_end)
+                    out.append(replace(f, byte_start=s, byte_end=e, excerpt=_excerpt(doc, s, e, spans)))
+        return out
 
     def scan_joined(self, parts: Sequence[bytes], *, window: int = JOIN_WINDOW,
                     own: Sequence[GateReport] | None = None) -> tuple[GateReport, ...]:

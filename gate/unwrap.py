@@ -36,6 +36,7 @@ _SIMPLE = {b"n": b"\n", b"r": b"\r", b"t": b"\t", b"b": b"\b", b"f": b"\f", b'"'
 _PERCENT = re.compile(rb"(?:%[0-9A-Fa-f]{2})+")
 _ENTITIES = re.compile(rb"(?:&(?:#[0-9]{1,7}|#[xX][0-9A-Fa-f]{1,6}|[A-Za-z]{2,8});)+")  # HTML/XML character references
 _HEX = re.compile(rb"(?<![0-9A-Fa-f])(?:[0-9A-Fa-f]{2}){16,}(?![0-9A-Fa-f])")  # 16 bytes or more
+_PLUS = re.compile(rb"[^\s&=?+]{1,64}(?:\+[^\s&=?+]{1,64}){2,}")  # three or more words joined by +
 _FOLD = re.compile(rb"\r\n[ \t]")  # a folded line (RFC 5545 iCalendar, RFC 5322 headers): unfolded by deleting it
 GUTTER_LINES = 3
 _GUTTER = re.compile("(?m)^[ \t]{0,8}[0-9]{1,6}(?:\u2192|\t|[ \t]{1,3}\\|[ \t]?|:[ \t])".encode())
@@ -248,15 +249,31 @@ def _unwrapped(reading: Reading) -> list[Reading]:
     return [out] if out is not None else []
 
 
-def readings(data: bytes) -> list[Reading]:
-    """Every escape-free and base64-decoded reading of `data` that differs from it: the escape
-    levels, the base64 levels of the escape-free text, and that last reading with its own escapes undone."""
+def _text(data: bytes) -> tuple[Reading, list[Reading]]:
+    """The escape-free reading (or `data` itself) and the readings that undo escapes a browser, a
+    JSON parser or a URL decoder undoes: the escape levels, percent-escapes, character references."""
     plain = _levels(Reading.identity(data), _ESCAPE, _unescape, ESCAPE_LEVELS, cue=b"\\")
     base = plain[-1] if plain else Reading.identity(data)
     unquoted = _levels(base, _PERCENT, _unpercent, 2, cue=b"%")  # twice: %2541 is %41 is A
     unentity = _levels(base, _ENTITIES, _unentity, 1, cue=b"&")
+    return base, plain + unquoted + unentity
+
+
+def text_readings(data: bytes) -> list[Reading]:
+    """What a reader sees of escaped text, for the injection rules: an instruction in HTML
+    character references, percent-escapes or `\\u` escapes reads as the page, the URL or the JSON
+    value shows it (red team 14)."""
+    base, text = _text(data)
+    return text + _levels(base, _PLUS, lambda m: urllib.parse.unquote_to_bytes(m.group().replace(b"+", b" ")), 1,
+                          cue=b"+")  # a form-encoded query: words joined by +
+
+
+def readings(data: bytes) -> list[Reading]:
+    """Every escape-free and base64-decoded reading of `data` that differs from it: the escape
+    levels, the base64 levels of the escape-free text, and that last reading with its own escapes undone."""
+    base, text = _text(data)
     unhexed = _levels(base, _HEX, _unhex, 1)
     decoded = _levels(base, _BASE64, _decoded, BASE64_LEVELS)
     again = _levels(decoded[-1], _ESCAPE, _unescape, ESCAPE_LEVELS, cue=b"\\") if decoded else []
     unfolded = _levels(base, _FOLD, lambda m: b"", 1, cue=b"\r\n")
-    return plain + unquoted + unentity + unhexed + decoded + again + unfolded + _gutterless(base) + _tables(base) + _unwrapped(base)
+    return text + unhexed + decoded + again + unfolded + _gutterless(base) + _tables(base) + _unwrapped(base)

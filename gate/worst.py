@@ -99,6 +99,8 @@ WORST_CASES: dict[str, Callable[[int], bytes]] = {
     "table-rule-dashes": _repeat("-" * 1990 + "x\n"),
     "wrapped-quotes": _repeat('"ab\ncd'),
     "session-cookie-openers": _repeat("; sessionid="),
+    "plus-joined-words": _repeat("ignore+all+"),
+    "entity-words": _repeat("&#105;gnore &#97;ll "),
     "random-bytes": _random_bytes,
     "random-unicode": _random_unicode,
 }
