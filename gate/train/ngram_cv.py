@@ -32,9 +32,9 @@ import numpy as np
 from tqdm import tqdm
 
 from gate.evaluate import recall_at_fpr, roc_auc
-from gate.learned import WEIGHTS_PATH, WINDOW, NgramScorer, ngram_ids
-from gate.train.train_injection import (BIPIA_DIR, DATA_DIR, SEED, Doc, _doc_logits, _pack, _windows, benign_prose,
-                                        build_corpus, fit_platt, train_logreg)
+from gate.learned import WEIGHTS_PATH, NgramScorer
+from gate.train.train_injection import (BIPIA_DIR, DATA_DIR, SEED, Doc, _doc_logits, _windows, benign_prose,
+                                        build_corpus, fit_mined, fit_platt)
 
 # Folds of whole red-team sets (writers), in the order they were written.
 FOLDS: tuple[tuple[str, ...], ...] = (
@@ -70,19 +70,7 @@ def fit(base: list[Doc], extra: list[Doc], epochs: int = 6, l2: float = 1e-5,
     on the corpus's dev split, as the shipped layer's."""
     r = random.Random(SEED + 1)
     train = base + extra
-    windows = _train_windows(train, r)
-    cols, lengths, y = _pack(windows)
-    weights, bias = train_logreg(cols, lengths, y, epochs, l2, SEED)
-    for _ in range(mining_rounds):
-        scorer = NgramScorer(weights, bias, (1.0, 0.0))
-        for d in train:
-            if d.label == "benign":
-                data = d.text.encode()
-                ws = scorer.best_window(data)
-                windows.append((ngram_ids(data)[:, ws.byte_start: ws.byte_start + WINDOW], 0))
-        cols, lengths, y = _pack(windows)
-        weights, bias = train_logreg(cols, lengths, y, epochs, l2, SEED)
-    return NgramScorer(weights, bias, (1.0, 0.0))
+    return NgramScorer(*fit_mined(_train_windows(train, r), train, epochs, l2, mining_rounds), (1.0, 0.0))
 
 
 def calibrated(scorer: NgramScorer, dev: list[Doc]) -> NgramScorer:

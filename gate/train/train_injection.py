@@ -254,6 +254,25 @@ def _write_jsonl(path: Path, docs: list[Doc]) -> str:
     return hashlib.sha256(payload).hexdigest()
 
 
+
+def fit_mined(windows: list, train: list, epochs: int, l2: float, mining_rounds: int) -> tuple[np.ndarray, float]:
+    """The window model fitted, then refitted `mining_rounds` times with hard negatives: the best
+    window of every benign training doc is what the max-over-windows document score sees, so
+    teach the model about exactly those windows (`windows` grows by them)."""
+    cols, lengths, y = _pack(windows)
+    weights, bias = train_logreg(cols, lengths, y, epochs, l2, SEED)
+    for _ in range(mining_rounds):
+        scorer = NgramScorer(weights, bias, (1.0, 0.0))
+        for d in train:
+            if d.label == "benign":
+                data = d.text.encode()
+                ws = scorer.best_window(data)
+                windows.append((ngram_ids(data)[:, ws.byte_start : ws.byte_start + WINDOW], 0))
+        cols, lengths, y = _pack(windows)
+        weights, bias = train_logreg(cols, lengths, y, epochs, l2, SEED)
+    return weights, bias
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bipia", type=Path, default=BIPIA_DIR)
@@ -272,20 +291,9 @@ def main(argv: list[str] | None = None) -> dict:
     r = random.Random(SEED + 1)
     train = [d for d in corpus["train"] if d.label != "secret"] + benign_prose(random.Random(SEED + 2), args.prose)
     windows = [w for d in train for w in _windows(d, r, n_neg=2 if d.label == "benign" else 1)]
-    cols, lengths, y = _pack(windows)
-    log.info("train_windows", n=len(y), positives=int(y.sum()), seconds=round(time.time() - t0, 1))
-    weights, bias = train_logreg(cols, lengths, y, args.epochs, args.l2, SEED)
-    # Hard-negative mining: the best window of every benign training doc is what the
-    # max-over-windows document score sees, so teach the model about exactly those windows.
-    for _ in range(args.mining_rounds):
-        scorer = NgramScorer(weights, bias, (1.0, 0.0))
-        for d in train:
-            if d.label == "benign":
-                data = d.text.encode()
-                ws = scorer.best_window(data)
-                windows.append((ngram_ids(data)[:, ws.byte_start : ws.byte_start + WINDOW], 0))
-        cols, lengths, y = _pack(windows)
-        weights, bias = train_logreg(cols, lengths, y, args.epochs, args.l2, SEED)
+    log.info("train_windows", n=len(windows), positives=sum(int(label) for _, label in windows),
+             seconds=round(time.time() - t0, 1))
+    weights, bias = fit_mined(windows, train, args.epochs, args.l2, args.mining_rounds)
     scorer = NgramScorer(weights, bias, (1.0, 0.0))
     dev = [d for d in corpus["dev"] if d.label != "secret"]
     y_dev = np.array([d.label == "injection" for d in dev], dtype=float)
