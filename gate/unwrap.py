@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import html
 import re
 import urllib.parse
@@ -249,9 +250,12 @@ def _unwrapped(reading: Reading) -> list[Reading]:
     return [out] if out is not None else []
 
 
+@functools.lru_cache(maxsize=1)
 def _text(data: bytes) -> tuple[Reading, list[Reading]]:
     """The escape-free reading (or `data` itself) and the readings that undo escapes a browser, a
-    JSON parser or a URL decoder undoes: the escape levels, percent-escapes, character references."""
+    JSON parser or a URL decoder undoes: the escape levels, percent-escapes, character references.
+    Kept for the last document: `Gate.scan` asks for them twice (the secret rules' `readings`, the
+    injection rules' `text_readings`), and a JSON result's escapes are most of that work."""
     plain = _levels(Reading.identity(data), _ESCAPE, _unescape, ESCAPE_LEVELS, cue=b"\\")
     base = plain[-1] if plain else Reading.identity(data)
     unquoted = _levels(base, _PERCENT, _unpercent, 2, cue=b"%")  # twice: %2541 is %41 is A
