@@ -142,6 +142,31 @@ def _table_value(secret: str) -> bool:
     return _generic_value(secret) and not re.fullmatch(r"[0-9a-f]{8,16}", secret)
 
 
+_OPENSSH_KEY = b"openssh-key-v1\x00"
+_SEPARATORS = re.compile(r"\\[rn]|\s")  # line breaks (raw or JSON-escaped) and indentation inside a key body
+
+
+def _der_private_key(secret: str) -> bool:
+    """A private key's base64 body with no BEGIN/END lines, by what it decodes to: OpenSSH's
+    `openssh-key-v1` magic, or the ASN.1 head every private key format shares, a SEQUENCE then
+    the INTEGER version 0 or 1, then an INTEGER (PKCS#1 RSA and DSA), a SEQUENCE (PKCS#8's
+    algorithm) or an OCTET STRING (SEC1 EC). A certificate, a CSR or a public key opens its
+    SEQUENCE with another SEQUENCE, never a version: they decode and are refused."""
+    body = _SEPARATORS.sub("", secret).rstrip("=")
+    try:
+        head = base64.b64decode(body[:min(64, len(body) // 4 * 4)], validate=True)
+    except binascii.Error:
+        return False
+    if head.startswith(_OPENSSH_KEY):
+        return len(body) >= 200  # magic, cipher, kdf, one public key and the private section
+    if len(head) < 12 or head[0] != 0x30:
+        return False
+    at = 2 if head[1] < 0x80 else 2 + (head[1] & 0x7F)  # the SEQUENCE's length, short or long form
+    declared = head[1] if head[1] < 0x80 else int.from_bytes(head[2:at], "big")
+    return head[1] <= 0x83 and declared >= 40 and head[at:at + 2] == b"\x02\x01" \
+        and head[at + 2] in (0, 1) and head[at + 3] in (0x02, 0x30, 0x04)
+
+
 CHECKSUMS: dict[str, Callable[[str], bool]] = {
     "session-value": _session_value,
     "table-value": _table_value,
@@ -150,6 +175,7 @@ CHECKSUMS: dict[str, Callable[[str], bool]] = {
     "basic-auth": _basic_auth,
     "generic-value": _generic_value,
     "bitcoin-wif": _bitcoin_wif,
+    "der-private-key": _der_private_key,
 }
 
 

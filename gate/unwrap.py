@@ -11,7 +11,9 @@ key names and prefixes that only the decoded text shows.
 with runs of percent-escapes decoded (a token in a query string or a form body), HTML character
 references and hex runs decoded (a red team's arguments carried tokens so), with base64 runs decoded in place where they decode to text (up to `BASE64_LEVELS` levels, so
 `password: c2VjcmV0...` reads `password: secret...` and the key name still gives the context),
-and both. Each byte of a reading knows the raw span it came from, so a finding reports the raw
+and both; with a gzip member inside base64 (`H4sI...`) inflated (to `MAX_INFLATE` times its size),
+base32 runs decoded where they decode to text, and a token spelled out a character at a time
+(`A K I A ...`) read joined. Each byte of a reading knows the raw span it came from, so a finding reports the raw
 span (a whole base64 run when the secret was inside one: that run is what a redaction must cut).
 Linear in the input: one regex pass and one decode per run per level, a fixed number of levels.
 """
@@ -23,6 +25,7 @@ import functools
 import html
 import re
 import urllib.parse
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -38,6 +41,9 @@ _PERCENT = re.compile(rb"(?:%[0-9A-Fa-f]{2})+")
 _ENTITIES = re.compile(rb"(?:&(?:#[0-9]{1,7}|#[xX][0-9A-Fa-f]{1,6}|[A-Za-z]{2,8});)+")  # HTML/XML character references
 _HEX = re.compile(rb"(?<![0-9A-Fa-f])(?:[0-9A-Fa-f]{2}){16,}(?![0-9A-Fa-f])")  # 16 bytes or more
 _PLUS = re.compile(rb"[^\s&=?+]{1,64}(?:\+[^\s&=?+]{1,64}){2,}")  # three or more words joined by +
+_BASE32 = re.compile(rb"(?<![A-Za-z0-9+/=])(?:[A-Z2-7]{8}){2,}(?:[A-Z2-7]{2,7}={0,6})?(?![A-Za-z0-9+/=])")  # RFC 4648 base32
+_SPACED = re.compile(rb"(?<![!-~])(?:[!-~] ){12,2048}[!-~](?![!-~])")  # a token spelled out a character at a time
+MAX_INFLATE = 4  # a gzip member is read to 4 x its compressed size: a bomb stops there, the reading stays linear
 _FOLD = re.compile(rb"\r\n[ \t]")  # a folded line (RFC 5545 iCalendar, RFC 5322 headers): unfolded by deleting it
 GUTTER_LINES = 3
 _GUTTER = re.compile("(?m)^[ \t]{0,8}[0-9]{1,6}(?:\u2192|\t|[ \t]{1,3}\\|[ \t]?|:[ \t])".encode())
@@ -156,6 +162,28 @@ def _decoded(m: re.Match[bytes]) -> bytes | None:
     padded = body + b"=" * (-len(body) % 4)
     try:
         raw = base64.urlsafe_b64decode(padded) if b"-" in body or b"_" in body else base64.b64decode(padded, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    if raw[:2] == b"\x1f\x8b":  # gzip inside the base64 (`H4sI...`): a token compressed past the rules
+        raw = _inflated(raw)
+    return raw if _printable(raw) else None
+
+
+def _inflated(raw: bytes) -> bytes:
+    """A gzip member's first `MAX_INFLATE` x its size of output (b"" when it is not gzip)."""
+    try:
+        return zlib.decompressobj(wbits=31).decompress(raw, MAX_INFLATE * len(raw))
+    except zlib.error:
+        return b""
+
+
+def _unbase32(m: re.Match[bytes]) -> bytes | None:
+    """A base32 run (TOTP seeds, some exports) decoded, when it decodes to printable text."""
+    body = m.group().rstrip(b"=")
+    if len(body) % 8 in (1, 3, 6):
+        return None
+    try:
+        raw = base64.b32decode(body + b"=" * (-len(body) % 8))
     except (binascii.Error, ValueError):
         return None
     return raw if _printable(raw) else None
@@ -280,4 +308,7 @@ def readings(data: bytes) -> list[Reading]:
     decoded = _levels(base, _BASE64, _decoded, BASE64_LEVELS)
     again = _levels(decoded[-1], _ESCAPE, _unescape, ESCAPE_LEVELS, cue=b"\\") if decoded else []
     unfolded = _levels(base, _FOLD, lambda m: b"", 1, cue=b"\r\n")
-    return text + unhexed + decoded + again + unfolded + _gutterless(base) + _tables(base) + _unwrapped(base)
+    unbase32 = _levels(base, _BASE32, _unbase32, 1)
+    unspaced = _levels(base, _SPACED, lambda m: m.group()[::2], 1, cue=b" ")
+    return text + unhexed + decoded + again + unfolded + unbase32 + unspaced + _gutterless(base) + _tables(base) \
+        + _unwrapped(base)

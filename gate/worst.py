@@ -8,6 +8,7 @@ the same input from 32 KB to the 256 KB tool-result limit and compare.
 from __future__ import annotations
 
 import base64
+import gzip
 import random
 from collections.abc import Callable
 
@@ -100,6 +101,11 @@ WORST_CASES: dict[str, Callable[[int], bytes]] = {
     "wrapped-quotes": _repeat('"ab\ncd'),
     "session-cookie-openers": _repeat("; sessionid="),
     "plus-joined-words": _repeat("ignore+all+"),
+    "key-body-lines": _repeat("MIIEvQIBADANBgkqhkiG9w0BAQEFAASCBKcwggSjAgEAAoIBAQC" + "A" * 13 + "\n  "),
+    "key-body-heads": _repeat("M" + "A" * 59 + "/"),
+    "gzip-bombs": _repeat(base64.b64encode(gzip.compress(b"password=" + b"A" * 1_000_000)) + b" "),
+    "base32-run": _repeat("MFRGGZDFMZTWQ2LK"),
+    "spaced-characters": _repeat("a "),
     "entity-words": _repeat("&#105;gnore &#97;ll "),
     "random-bytes": _random_bytes,
     "random-unicode": _random_unicode,

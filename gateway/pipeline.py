@@ -30,7 +30,7 @@ import structlog
 from audit import AuditLog
 from gate import Gate, GateReport, InjectionProbe
 from kvkernel import Kernel, Model
-from ledger import Ledger, NewSegment, SegmentState
+from ledger import CONTENT_RETIRED, Ledger, NewSegment, SegmentState
 from policies import PolicyEngine, tool_identity
 
 from .chat import Conversation, RenderedMessage, name_folds
@@ -38,7 +38,7 @@ from .errors import GatewayError, fails_as
 from .erasure import Erasure, actor_of, audit_body, segment_tokens, turn_intents
 from .metrics import Metrics
 from .residency import Residency
-from .screen import Screened, apply_redact, pasted_digests, policy_findings, refuse_withheld
+from .screen import Screened, apply_redact, pasted_digests, policy_findings, refuse_withheld, withheld_at_boundary
 from .sessions import Compute, LiveSession, PrefixCache, prefill_pieces
 from .tenants import Principal
 from .turn import Action, Staged, Turn
@@ -497,9 +497,11 @@ class Pipeline:
         redacted = red is not None and decision.action == "redact"
         data_class = "secret" if verdict.report.secret >= 0.5 and not redacted else "quarantined" \
             if quarantined else "normal"
-        meta = {"gate": verdict.summary(), "decision": decision.to_dict(), "stub_reason": reason}
+        meta: dict[str, Any] = {"gate": verdict.summary(), "decision": decision.to_dict(), "stub_reason": reason}
         if quarantined:
             meta["norm_sha256"] = m.norm_sha256
+            if withheld_at_boundary(decision):
+                meta[CONTENT_RETIRED] = True
         if redacted:
             meta.update(gate=screened.rescan.summary(), gate_original=verdict.summary(),  # type: ignore[union-attr]
                         redaction=red.to_dict())  # type: ignore[union-attr]

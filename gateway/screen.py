@@ -110,6 +110,15 @@ def _text_fields(value: Any) -> Iterator[str]:
             yield from _text_fields(v)
 
 
+WITHHELD = "withheld_at_boundary"
+
+
+def withheld_at_boundary(decision: Decision) -> bool:
+    """Whether `refuse_withheld` quarantined these bytes: the boundary kept only their digests, and
+    so does the chat ledger (its segment is born with its content retired, no blob stored)."""
+    return bool(decision.reasons) and decision.reasons[0].startswith(WITHHELD + ":")
+
+
 def refuse_withheld(crossings: CrossingLog, tenant: str, digests: Iterable[str], decision: Decision) -> Decision:
     """Quarantine bytes a boundary already withheld from this tenant, whatever `decision` says:
     `digests` are the bytes' exact and normalised (`chat.normalised_sha256`) SHA-256, as the
@@ -117,5 +126,5 @@ def refuse_withheld(crossings: CrossingLog, tenant: str, digests: Iterable[str],
     crossing = crossings.is_withheld(tenant, digests)
     if crossing is None:
         return decision
-    reason = f"withheld_at_boundary: crossing {crossing} quarantined these bytes at the MCP proxy"
+    reason = f"{WITHHELD}: crossing {crossing} quarantined these bytes at the MCP proxy"
     return Decision("quarantine", (reason, *decision.reasons), decision.bundle_hash, (), decision.non_text)

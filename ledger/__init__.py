@@ -8,10 +8,11 @@ from .content import ContentStore
 from .crossings import Crossing, CrossingLog
 from .errors import ErasureIncomplete, LedgerError, LedgerInvariantError, UnknownSegment, UnknownSession
 from .ledger import Intent, Ledger, NewSegment, TurnWrite
-from .records import Segment, SegmentState, SessionRecord
+from .records import CONTENT_RETIRED, Segment, SegmentState, SessionRecord
 from .toolcalls import ToolCallLog
 
 __all__ = [
+    "CONTENT_RETIRED",
     "ContentStore",
     "Crossing",
     "CrossingLog",

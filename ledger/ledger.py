@@ -10,7 +10,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -411,7 +411,7 @@ class Ledger:
         with self._write(session_id) as (conn, sess):
             seg = Segment(
                 id=_new_segment_id(), session_id=session_id, seq=sess.next_seq, role=role, tool=tool,
-                content_sha256=sha256_hex(content) if replacement is not None else self.content.put_in(conn, content),
+                content_sha256=self._stored(conn, content, replacement, state, meta or {}),
                 start=sess.token_count, end=sess.token_count + n_tokens, state=state, created_at=self._clock(),
                 data_class=data_class, meta=dict(meta or {}),
                 replacement_sha256=self.content.put_in(conn, replacement) if replacement is not None else None,
@@ -425,6 +425,16 @@ class Ledger:
             conn.execute(_ADVANCE_SESSION, {"session_id": session_id, "new_count": seg.end, "new_seq": seg.seq + 1})
         log.debug("ledger.append", session_id=session_id, segment_id=seg.id, state=state.value, n_tokens=n_tokens)
         return seg
+
+    def _stored(self, conn: Connection, content: bytes, replacement: bytes | None, state: SegmentState,
+                meta: Mapping[str, Any]) -> str:
+        """The digest of a new segment's content, stored in the blob store only when its bytes are
+        to be kept: not a redacted result's (only its replacement is kept), nor a quarantined
+        one's born retired (bytes a boundary already withheld, red team 14: pasted into chat they
+        were kept here though the MCP proxy had kept only their digests)."""
+        if replacement is not None or (state is SegmentState.QUARANTINED and meta.get(CONTENT_RETIRED)):
+            return sha256_hex(content)
+        return self.content.put_in(conn, content)
 
     def write_turn(self, session_id: str, *, keep: int, new: Sequence[NewSegment],
                    intents_of: IntentsOf | None = None) -> TurnWrite:
@@ -451,8 +461,7 @@ class Ledger:
                     raise LedgerError(f"a turn appends live or quarantined segments of >= 0 tokens, not {item}")
                 replacement = item.replacement
                 seg = Segment(id=_new_segment_id(), session_id=session_id, seq=seq, role=item.role, tool=item.tool,
-                              content_sha256=sha256_hex(item.content) if replacement is not None
-                              else self.content.put_in(conn, item.content),
+                              content_sha256=self._stored(conn, item.content, replacement, state, item.meta),
                               start=at, end=at + item.n_tokens, state=state, created_at=self._clock(),
                               data_class=item.data_class, meta=dict(item.meta),
                               replacement_sha256=None if replacement is None else self.content.put_in(conn, replacement))

@@ -3,6 +3,7 @@ inside realistic carriers, and false positives on real package text and look-ali
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -59,7 +60,58 @@ def test_cat_of_an_ed25519_key_is_a_secret_despite_its_aaaa_runs(gate: Gate) -> 
     key = secretgen.credential(random.Random(1), next(f for f in secretgen.FORMATS if f.id == "openssh"))
     assert "AAAAAAA" in key
     report = gate.scan(f"$ cat ~/.ssh/id_ed25519\n{key}\n$ ".encode())
-    assert {f.rule_id for f in report.findings} == {"private-key"} and report.secret >= 0.99
+    # the armoured block, and its body read alone (the rule for a key pasted without BEGIN/END)
+    assert {f.rule_id for f in report.findings} == {"private-key", "private-key-body"} and report.secret >= 0.99
+
+
+def _body(pem: bytes) -> str:
+    return "\n".join(line for line in pem.decode().splitlines() if not line.startswith("-----"))
+
+
+def _private_bodies() -> list[tuple[str, str]]:
+    from cryptography.hazmat.primitives import serialization as s
+    from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
+
+    keys = {"rsa-2048": rsa.generate_private_key(65537, 2048), "rsa-4096": rsa.generate_private_key(65537, 4096),
+            "ec-p256": ec.generate_private_key(ec.SECP256R1()), "ec-p384": ec.generate_private_key(ec.SECP384R1()),
+            "ed25519": ed25519.Ed25519PrivateKey.generate()}
+    formats = {"pkcs1-or-sec1": s.PrivateFormat.TraditionalOpenSSL, "pkcs8": s.PrivateFormat.PKCS8,
+               "openssh": s.PrivateFormat.OpenSSH}
+    out = []
+    for name, key in keys.items():
+        for fmt, value in formats.items():
+            if name == "ed25519" and fmt == "pkcs1-or-sec1":
+                continue  # no such format
+            out.append((f"{name}/{fmt}", _body(key.private_bytes(s.Encoding.PEM, value, s.NoEncryption()))))
+    return out
+
+
+def test_a_private_key_body_without_its_begin_and_end_lines_is_a_secret_in_every_carrier(gate: Gate) -> None:
+    """Red team 14: a key pasted without its armour read as plain base64. Each format's body, as
+    lines, indented YAML, a JSON string and one line, is found and covered whole."""
+    for label, body in _private_bodies():
+        flat = body.replace("\n", "")
+        for carrier in (body, "key: |\n  " + body.replace("\n", "\n  "), json.dumps({"key": body}), f"KEY={flat}"):
+            data = carrier.encode()
+            spans = [(f.byte_start, f.byte_end) for f in gate.scan_secrets(data) if f.rule_id == "private-key-body"]
+            assert spans, f"{label} missed in {carrier[:24]!r}"
+            first, last = body.split("\n")[0], body.split("\n")[-1]
+            start, end = data.index(first.encode()), data.rindex(last.encode()) + len(last)
+            assert min(s for s, _ in spans) <= start and max(e for _, e in spans) >= end, (label, spans, start, end)
+
+
+def test_a_public_key_or_certificate_body_without_its_armour_is_not_a_secret(gate: Gate) -> None:
+    """They open with the same `MII…` base64, but their ASN.1 opens a SEQUENCE with a SEQUENCE,
+    never the version a private key starts with."""
+    import certifi
+    from cryptography.hazmat.primitives import serialization as s
+    from cryptography.hazmat.primitives.asymmetric import ec, rsa
+
+    publics = [k.public_key().public_bytes(s.Encoding.PEM, s.PublicFormat.SubjectPublicKeyInfo)
+               for k in (rsa.generate_private_key(65537, 2048), ec.generate_private_key(ec.SECP256R1()))]
+    certificates = open(certifi.where(), "rb").read()  # 140-odd CA certificates
+    for text in [_body(p) for p in publics] + [_body(certificates)]:
+        assert not [f.rule_id for f in gate.scan_secrets(text.encode())], text[:40]
 
 
 @pytest.mark.parametrize("code", [

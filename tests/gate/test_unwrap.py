@@ -3,6 +3,7 @@ there reports the raw bytes it came from, so a redaction cuts the key where it s
 from __future__ import annotations
 
 import base64
+import gzip
 import json
 
 import pytest
@@ -106,3 +107,35 @@ def test_a_token_a_terminal_wrapped_inside_a_quoted_string_is_found_whole(gate: 
     assert any(key[:40].encode() in s and key[40:].encode() in s for s in _secret_spans(gate, data))
     prose = b'He said "the key\nis under the mat" and left.\n'
     assert _secret_spans(gate, prose) == []
+
+
+def test_a_credential_gzipped_then_base64_encoded_is_found_and_redacted_whole(gate: Gate) -> None:
+    """Red team 14: `H4sI...` (gzip in base64) hid a credentials file from every rule."""
+    encoded = base64.b64encode(gzip.compress(CREDENTIALS.encode())).decode()
+    data = f'{{"backup": "{encoded}"}}'.encode()
+    assert encoded.encode() in _secret_spans(gate, data)
+    assert encoded.encode() not in redact(data, gate.scan(data).findings, ("secret",)).data
+
+
+def test_a_gzip_bomb_is_read_only_to_a_few_times_its_size() -> None:
+    bomb = base64.b64encode(gzip.compress(b"password=" + b"A" * 10_000_000))
+    assert len(bomb) < 20_000 and all(len(r.data) <= 4 * len(bomb) for r in readings(bomb))
+
+
+def test_a_credential_in_base32_is_found_at_its_raw_bytes(gate: Gate) -> None:
+    encoded = base64.b32encode(CREDENTIALS.encode()).decode()
+    data = f"restore-code: {encoded}\n".encode()
+    assert encoded.encode() in _secret_spans(gate, data)
+
+
+def test_a_key_spelled_out_a_character_at_a_time_is_found(gate: Gate) -> None:
+    data = f"the key is {' '.join(KEY)} and the rest is prose".encode()
+    assert data[data.index(b"A K I A"):].startswith(_secret_spans(gate, data)[0])
+    assert _secret_spans(gate, data)[0] == " ".join(KEY).encode()
+
+
+def test_base32_words_spaced_letters_and_ordinary_gzip_add_no_finding(gate: Gate) -> None:
+    note = base64.b64encode(gzip.compress(b"The meeting moved to Thursday at ten.")).decode()
+    data = (f"totp seed: {base64.b32encode(bytes(range(40))).decode()}\n"
+            f"spelled: t h e q u i c k b r o w n f o x j u m p s\nnote: {note}\n").encode()
+    assert _found(gate, data) == set()

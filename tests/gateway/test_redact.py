@@ -86,3 +86,7 @@ def test_a_result_the_mcp_proxy_quarantined_never_enters_the_chat_cache(live_gat
             assert action["reasons"][0].startswith("withheld_at_boundary: crossing crs_")
             cache = state.gateway.cache(reply.headers["x-lethe-session"])
             assert content not in state.model.tokenizer.decode(list(cache.tokens))
+            # red team 14: the boundary kept only the bytes' digests, and so does the chat ledger
+            [held] = [s for s in state.ledger.segments(reply.headers["x-lethe-session"]) if s.role == "tool"]
+            assert held.content_retired and held.content_sha256 == hashlib.sha256(content.encode()).hexdigest()
+            assert not state.ledger.content.exists(held.content_sha256)

@@ -7,9 +7,11 @@ from datetime import timezone
 import pytest
 
 from ledger import (
+    CONTENT_RETIRED,
     Ledger,
     LedgerError,
     LedgerInvariantError,
+    NewSegment,
     Segment,
     SegmentState,
     UnknownSegment,
@@ -278,6 +280,23 @@ def test_retired_content_held_elsewhere_survives_until_its_last_holder_goes(ledg
     assert ledger.content.get(q.content_sha256) == b"same bytes"  # another session's live segment holds it
     ledger.forget("o", [other.id])
     assert not ledger.content.exists(q.content_sha256)  # the retired quarantine holds nothing
+
+
+def test_a_quarantine_born_retired_stores_no_bytes_on_either_write_path(ledger: Ledger) -> None:
+    """Red team 14: bytes a boundary withheld and kept only as digests, pasted into chat, were
+    stored here. A quarantined segment appended with its content retired keeps only the digest."""
+    ledger.create_session("s", "t")
+    q = ledger.append("s", role="tool", tool="web", content=b"withheld once", n_tokens=2, state=Q,
+                      meta={CONTENT_RETIRED: True})
+    written = ledger.write_turn("s", keep=1, new=[NewSegment(role="tool", tool="web", content=b"withheld twice",
+                                                             n_tokens=3, state=Q, meta={CONTENT_RETIRED: True})])
+    for seg, data in ((q, b"withheld once"), (written.appended[0], b"withheld twice")):
+        assert seg.content_retired and seg.content_sha256 == sha256_hex(data)
+        assert not ledger.content.exists(seg.content_sha256)
+        assert ledger.find_by_content("s", seg.content_sha256) == [seg]  # the hash still finds it
+    assert ledger.retire_content("s", [q.id]) == []  # nothing left to retire
+    live = ledger.append("s", role="tool", tool="web", content=b"withheld once", n_tokens=1)
+    assert ledger.content.get(live.content_sha256) == b"withheld once"  # only the retired one holds nothing
 
 
 def test_expired_skips_retired_quarantines(ledger: Ledger, clock) -> None:
