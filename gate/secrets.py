@@ -143,28 +143,46 @@ def _table_value(secret: str) -> bool:
 
 
 _OPENSSH_KEY = b"openssh-key-v1\x00"
-_SEPARATORS = re.compile(r"\\[rn]|\s")  # line breaks (raw or JSON-escaped) and indentation inside a key body
+_KEY_LINE = re.compile(r"[A-Za-z0-9+/_-]{16,}")  # a key body's lines: the prefixes between them (`12→`, `<br>`, quotes) are shorter
+_PBE_OIDS = (bytes.fromhex("2a864886f70d0105"), bytes.fromhex("2a864886f70d010c01"))  # PKCS#5 PBES1/PBES2, PKCS#12 PBE
+
+
+def _der_length(der: bytes, at: int) -> tuple[int, int]:
+    """The length of the DER element whose length octets start at `at`, and where its content starts."""
+    if der[at] < 0x80:
+        return der[at], at + 1
+    n = der[at] & 0x7F
+    return int.from_bytes(der[at + 1:at + 1 + n], "big"), at + 1 + n
 
 
 def _der_private_key(secret: str) -> bool:
     """A private key's base64 body with no BEGIN/END lines, by what it decodes to: OpenSSH's
-    `openssh-key-v1` magic, or the ASN.1 head every private key format shares, a SEQUENCE then
-    the INTEGER version 0 or 1, then an INTEGER (PKCS#1 RSA and DSA), a SEQUENCE (PKCS#8's
-    algorithm) or an OCTET STRING (SEC1 EC). A certificate, a CSR or a public key opens its
-    SEQUENCE with another SEQUENCE, never a version: they decode and are refused."""
-    body = _SEPARATORS.sub("", secret).rstrip("=")
+    `openssh-key-v1` magic, or the ASN.1 head of a private key format: a SEQUENCE, then the
+    INTEGER version 0 or 1 and an INTEGER (PKCS#1 RSA and DSA), a SEQUENCE (PKCS#8's algorithm)
+    or an OCTET STRING (SEC1 EC); the INTEGER version 3 and a SEQUENCE (a PKCS#12 bundle); or a
+    SEQUENCE holding a PKCS#5 or PKCS#12 password-based encryption OID (PKCS#8 encrypted). A
+    certificate, a CSR, a CMS message or a public key opens with another SEQUENCE or an OID of
+    another family: they decode and are refused. The lines are read without what sits between
+    them (line numbers, quotes, `<br>`: red team 15), and base64url as base64."""
+    body = "".join(_KEY_LINE.findall(secret)).translate(str.maketrans("-_", "+/"))
     try:
         head = base64.b64decode(body[:min(64, len(body) // 4 * 4)], validate=True)
     except binascii.Error:
         return False
     if head.startswith(_OPENSSH_KEY):
         return len(body) >= 200  # magic, cipher, kdf, one public key and the private section
-    if len(head) < 12 or head[0] != 0x30:
+    if len(head) < 24 or head[0] != 0x30 or head[1] > 0x83:
         return False
-    at = 2 if head[1] < 0x80 else 2 + (head[1] & 0x7F)  # the SEQUENCE's length, short or long form
-    declared = head[1] if head[1] < 0x80 else int.from_bytes(head[2:at], "big")
-    return head[1] <= 0x83 and declared >= 40 and head[at:at + 2] == b"\x02\x01" \
-        and head[at + 2] in (0, 1) and head[at + 3] in (0x02, 0x30, 0x04)
+    declared, at = _der_length(head, 1)
+    if declared < 40:
+        return False
+    if head[at:at + 2] == b"\x02\x01":
+        version, tag = head[at + 2], head[at + 3]
+        return (version in (0, 1) and tag in (0x02, 0x30, 0x04)) or (version == 3 and tag == 0x30)
+    if head[at] != 0x30 or head[at + 1] > 0x83:
+        return False
+    _, inner = _der_length(head, at + 1)
+    return head[inner] == 0x06 and head[inner + 2:inner + 2 + head[inner + 1]].startswith(_PBE_OIDS)
 
 
 CHECKSUMS: dict[str, Callable[[str], bool]] = {

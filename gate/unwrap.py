@@ -11,7 +11,8 @@ key names and prefixes that only the decoded text shows.
 with runs of percent-escapes decoded (a token in a query string or a form body), HTML character
 references and hex runs decoded (a red team's arguments carried tokens so), with base64 runs decoded in place where they decode to text (up to `BASE64_LEVELS` levels, so
 `password: c2VjcmV0...` reads `password: secret...` and the key name still gives the context),
-and both; with a gzip member inside base64 (`H4sI...`) inflated (to `MAX_INFLATE` times its size),
+and both; with base64 wrapped in lines read joined, gzip (every member) and zlib inside base64
+or hex inflated (to one budget a document, `INFLATE_RATIO` times its size),
 base32 runs decoded where they decode to text, and a token spelled out a character at a time
 (`A K I A ...`) read joined. Each byte of a reading knows the raw span it came from, so a finding reports the raw
 span (a whole base64 run when the secret was inside one: that run is what a redaction must cut).
@@ -42,8 +43,21 @@ _ENTITIES = re.compile(rb"(?:&(?:#[0-9]{1,7}|#[xX][0-9A-Fa-f]{1,6}|[A-Za-z]{2,8}
 _HEX = re.compile(rb"(?<![0-9A-Fa-f])(?:[0-9A-Fa-f]{2}){16,}(?![0-9A-Fa-f])")  # 16 bytes or more
 _PLUS = re.compile(rb"[^\s&=?+]{1,64}(?:\+[^\s&=?+]{1,64}){2,}")  # three or more words joined by +
 _BASE32 = re.compile(rb"(?<![A-Za-z0-9+/=])(?:[A-Z2-7]{8}){2,}(?:[A-Z2-7]{2,7}={0,6})?(?![A-Za-z0-9+/=])")  # RFC 4648 base32
-_SPACED = re.compile(rb"(?<![!-~])(?:[!-~] ){12,2048}[!-~](?![!-~])")  # a token spelled out a character at a time
-MAX_INFLATE = 4  # a gzip member is read to 4 x its compressed size: a bomb stops there, the reading stays linear
+# A token spelled out a character at a time, the same separator between every two (one or two
+# spaces, a tab, a line break, a dot, dash or comma, a JSON or Python list's `", "`), or in groups of
+# two or four (`AKIA PTGZ 6JFE ...`); a run may open after and close before a quote or bracket. Past
+# the run's last character the separator itself closes it, so a failed close backtracks one step.
+_OPEN, _CLOSE = rb"(?:(?<![!-~])|(?<=[\"'`(\[{<>=:]))", rb"(?:(?![!-~])|(?=[\"'`)\]}<>,;:.\-]))"
+_SPACED = re.compile(_OPEN + rb"""[!-~](?P<sep> {1,2}|\t|\r?\n|[.,\-]|, |"[ \t]?,[ \t]?"|'[ \t]?,[ \t]?')"""
+                     rb"(?:[!-~](?P=sep)){11,2048}[!-~]" + _CLOSE)
+_GROUPED = re.compile(_OPEN + rb"(?:[A-Za-z0-9+/=_]{2}(?P<s2>[ \-])(?:[A-Za-z0-9+/=_]{2}(?P=s2)){5,1024}[A-Za-z0-9+/=_]{2}"
+                      rb"(?:(?P=s2)(?P<t2>[A-Za-z0-9+/=_]))?"
+                      rb"|[A-Za-z0-9+/=_]{4}(?P<s4>[ \-])(?:[A-Za-z0-9+/=_]{4}(?P=s4)){2,512}[A-Za-z0-9+/=_]{4}"
+                      rb"(?:(?P=s4)(?P<t4>[A-Za-z0-9+/=_]{1,3}))?)(?![A-Za-z0-9+/=_])")
+# gzip or zlib inside base64 or hex is inflated to a budget for the whole document, 4 x its size
+# and at least 64 KB: a bomb stops there, and the readings stay linear
+INFLATE_RATIO, MIN_INFLATE = 4, 1 << 16
+_BASE64_LINES = re.compile(rb"(?<![A-Za-z0-9+/=])(?:[A-Za-z0-9+/]{16,76}(?:\r?\n|\\n)[ \t]{0,8}){2,4096}[A-Za-z0-9+/]{0,76}={0,2}")
 _FOLD = re.compile(rb"\r\n[ \t]")  # a folded line (RFC 5545 iCalendar, RFC 5322 headers): unfolded by deleting it
 GUTTER_LINES = 3
 _GUTTER = re.compile("(?m)^[ \t]{0,8}[0-9]{1,6}(?:\u2192|\t|[ \t]{1,3}\\|[ \t]?|:[ \t])".encode())
@@ -140,9 +154,36 @@ def _unentity(m: re.Match[bytes]) -> bytes | None:
     return None if out == m.group() else out
 
 
-def _unhex(m: re.Match[bytes]) -> bytes | None:
-    """A hex run decoded, when it decodes to printable text (a digest or a key's own hex does not)."""
-    raw = bytes.fromhex(m.group().decode("ascii"))
+class Inflater:
+    """Inflates the gzip (every member) and zlib streams a document carries, to one budget."""
+
+    def __init__(self, data: bytes) -> None:
+        self.left = max(MIN_INFLATE, INFLATE_RATIO * len(data))
+
+    def __call__(self, raw: bytes) -> bytes:
+        """`raw` inflated when it is gzip or zlib (at most the budget left), else `raw` itself."""
+        if raw[:2] == b"\x1f\x8b":
+            wbits = 31
+        elif len(raw) > 2 and raw[0] == 0x78 and (raw[0] << 8 | raw[1]) % 31 == 0:
+            wbits = 15
+        else:
+            return raw
+        out = []
+        while raw and self.left > 0:
+            inflate = zlib.decompressobj(wbits=wbits)
+            try:
+                got = inflate.decompress(raw, self.left)
+            except zlib.error:
+                break
+            out.append(got)
+            self.left -= len(got)
+            raw = inflate.unused_data if inflate.eof and wbits == 31 else b""  # the next gzip member
+        return b"".join(out)
+
+
+def _unhex(inflate: Inflater, m: re.Match[bytes]) -> bytes | None:
+    """A hex run decoded (and inflated), when it decodes to printable text (a digest or a key's own hex does not)."""
+    raw = inflate(bytes.fromhex(m.group().decode("ascii")))
     return raw if _printable(raw) else None
 
 
@@ -154,9 +195,10 @@ def _printable(raw: bytes) -> bool:
     return bool(text) and sum(ch.isprintable() or ch in "\r\n\t" for ch in text) >= 0.95 * len(text)
 
 
-def _decoded(m: re.Match[bytes]) -> bytes | None:
-    """The run base64-decoded (standard or URL-safe) when it decodes to printable text."""
-    body = m.group().rstrip(b"=")
+def _decoded(inflate: Inflater, m: re.Match[bytes]) -> bytes | None:
+    """The run base64-decoded (standard or URL-safe; lines `base64` wrapped joined) and inflated,
+    when it decodes to printable text."""
+    body = re.sub(rb"\s|\\n", b"", m.group()).rstrip(b"=")
     if len(body) % 4 == 1:
         return None
     padded = body + b"=" * (-len(body) % 4)
@@ -164,17 +206,8 @@ def _decoded(m: re.Match[bytes]) -> bytes | None:
         raw = base64.urlsafe_b64decode(padded) if b"-" in body or b"_" in body else base64.b64decode(padded, validate=True)
     except (binascii.Error, ValueError):
         return None
-    if raw[:2] == b"\x1f\x8b":  # gzip inside the base64 (`H4sI...`): a token compressed past the rules
-        raw = _inflated(raw)
+    raw = inflate(raw)  # gzip or zlib inside the base64 (`H4sI...`, `eJ...`): a token compressed past the rules
     return raw if _printable(raw) else None
-
-
-def _inflated(raw: bytes) -> bytes:
-    """A gzip member's first `MAX_INFLATE` x its size of output (b"" when it is not gzip)."""
-    try:
-        return zlib.decompressobj(wbits=31).decompress(raw, MAX_INFLATE * len(raw))
-    except zlib.error:
-        return b""
 
 
 def _unbase32(m: re.Match[bytes]) -> bytes | None:
@@ -187,6 +220,23 @@ def _unbase32(m: re.Match[bytes]) -> bytes | None:
     except (binascii.Error, ValueError):
         return None
     return raw if _printable(raw) else None
+
+
+def _unspaced(m: re.Match[bytes]) -> bytes | None:
+    """A spelled-out token joined: its separator taken out from between every two characters."""
+    return m.group().replace(m.group("sep"), b"")
+
+
+def _ungrouped(m: re.Match[bytes]) -> bytes | None:
+    """A token in groups joined, when a digit shows it is no run of short words (`of to in at`).
+    A shorter last group is the token's tail only when it holds a digit or a capital: `OXRL end`
+    ends the token at `OXRL`, and the word stays a word."""
+    sep, tail = (m.group("s2"), m.group("t2")) if m.group("s2") else (m.group("s4"), m.group("t4"))
+    body = m.group()
+    if tail is not None and tail.islower():
+        body = body[:-len(tail) - len(sep)]
+    joined = body.replace(sep, b"")
+    return joined + m.group()[len(body):] if any(0x30 <= c <= 0x39 for c in joined) else None
 
 
 def _levels(reading: Reading, pattern: re.Pattern[bytes], replace: Replace, levels: int,
@@ -304,11 +354,13 @@ def readings(data: bytes) -> list[Reading]:
     """Every escape-free and base64-decoded reading of `data` that differs from it: the escape
     levels, the base64 levels of the escape-free text, and that last reading with its own escapes undone."""
     base, text = _text(data)
-    unhexed = _levels(base, _HEX, _unhex, 1)
-    decoded = _levels(base, _BASE64, _decoded, BASE64_LEVELS)
+    inflate = Inflater(data)
+    unhexed = _levels(base, _HEX, functools.partial(_unhex, inflate), 1)
+    decoded = _levels(base, _BASE64, functools.partial(_decoded, inflate), BASE64_LEVELS)
+    wrapped = _levels(base, _BASE64_LINES, functools.partial(_decoded, inflate), 1, cue=b"\n")
     again = _levels(decoded[-1], _ESCAPE, _unescape, ESCAPE_LEVELS, cue=b"\\") if decoded else []
     unfolded = _levels(base, _FOLD, lambda m: b"", 1, cue=b"\r\n")
     unbase32 = _levels(base, _BASE32, _unbase32, 1)
-    unspaced = _levels(base, _SPACED, lambda m: m.group()[::2], 1, cue=b" ")
-    return text + unhexed + decoded + again + unfolded + unbase32 + unspaced + _gutterless(base) + _tables(base) \
+    unspaced = _levels(base, _SPACED, _unspaced, 1) + _levels(base, _GROUPED, _ungrouped, 1)
+    return text + unhexed + decoded + wrapped + again + unfolded + unbase32 + unspaced + _gutterless(base) + _tables(base) \
         + _unwrapped(base)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import gzip
 import random
+import zlib
 from collections.abc import Callable
 
 TOOL_RESULT_LIMIT = 256 * 1024
@@ -106,6 +107,12 @@ WORST_CASES: dict[str, Callable[[int], bytes]] = {
     "gzip-bombs": _repeat(base64.b64encode(gzip.compress(b"password=" + b"A" * 1_000_000)) + b" "),
     "base32-run": _repeat("MFRGGZDFMZTWQ2LK"),
     "spaced-characters": _repeat("a "),
+    "spaced-dots-unclosed": _repeat("a.b.c.d.e.f.g.h.i.j.k.l.mx "),
+    "grouped-quads": _repeat("ab12 "),
+    "grouped-pairs-dashed": _repeat("a1-"),
+    "base64-lines": _repeat("QUJDREVGR0hJSktMTU5PUFFSU1RVVldY\n"),
+    "key-body-prefixed-lines": _repeat("MIIEvQIBADANBgkq\n> 12\u2192 \"QUJDREVGR0hJSktM\" +<br>"),
+    "zlib-bombs": _repeat(base64.b64encode(zlib.compress(b"password=" + b"A" * 1_000_000)) + b" "),
     "entity-words": _repeat("&#105;gnore &#97;ll "),
     "random-bytes": _random_bytes,
     "random-unicode": _random_unicode,

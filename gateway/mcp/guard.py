@@ -61,6 +61,7 @@ JOINER = b"\n"
 _PROSE = frozenset({b"description", b"title"})  # a definition's strings an agent's model reads as text
 _PROBE = 64  # bytes of a string looked for in its neighbour (`_repeats`)
 _REACH = 4096  # of each string beside a seam, what the argument-value glue reads (`Document.glued_secrets`)
+_FRAGMENT, _FRAGMENTS = 24, 5  # a short string, and how many in a row are read glued (`Document._glued_values`)
 NON_TEXT_STUB = "[{what} withheld by policy: the gate cannot read it]"
 MAX_BLOCKS = 1024  # content blocks in one result (`Guard._oversized`)
 
@@ -204,6 +205,22 @@ def _parsed(part: str, fallback: Any) -> Any:
         return fallback
 
 
+def _entry(key: str, part: str, n: int) -> tuple[str, str]:
+    """A dict entry rebuilt from its redacted part `"key": "value"`. A cut that broke the value's
+    syntax (a finding covering the whole part) keeps the key when the cut left its bytes as they
+    were (red team 15: `{"result": "sk_live_..."}` became `{"[REDACTED:0]": ...}`, and the client
+    refused the result against the tool's outputSchema); only a key that held a secret is renamed."""
+    entry = _parsed("{" + part + "}", None)
+    if isinstance(entry, dict) and len(entry) == 1:
+        got, val = next(iter(entry.items()))
+        return got, val if isinstance(val, str) else "[REDACTED]"
+    head = f"{_dump(key)}: "
+    if not part.startswith(head):
+        return f"[REDACTED:{n}]", "[REDACTED]"
+    val = _parsed(part[len(head):], None)
+    return key, val if isinstance(val, str) else "[REDACTED]"
+
+
 def _rebuild(value: Any, texts: Iterator[str]) -> Any:
     """`value` rebuilt from its redacted `_json_parts`, consumed in order from `texts`."""
     if isinstance(value, str):
@@ -213,10 +230,8 @@ def _rebuild(value: Any, texts: Iterator[str]) -> Any:
         out: dict[str, Any] = {}
         for n, (k, v) in enumerate(value.items()):
             if isinstance(v, str):
-                entry = _parsed("{" + next(texts) + "}", None)
-                key, val = next(iter(entry.items())) if isinstance(entry, dict) and len(entry) == 1 else \
-                    (f"[REDACTED:{n}]", "[REDACTED]")
-                out[key] = val if isinstance(val, str) else "[REDACTED]"
+                key, val = _entry(str(k), next(texts), n)
+                out[key] = val
             else:
                 key = _parsed(next(texts), None)
                 out[key if isinstance(key, str) else f"[REDACTED:{n}]"] = _rebuild(v, texts)
@@ -391,8 +406,9 @@ class Document:
         `_REACH` bytes of the one before and the first of the one after, each such pair on a line
         of its own (a key split over two argument values, whatever their neighbours hold). Escapes
         move offsets in a JSON part, so such a finding covers both parts whole: more is cut, never
-        less. At most 2 x `_REACH` bytes a boundary: still linear."""
-        return self._across(gate) + self._across_values(gate)
+        less. At most 2 x `_REACH` bytes a boundary: still linear. A secret over three or more
+        values is `_glued_values`'s: all of them glued in order, one scan more."""
+        return self._across(gate) + self._across_values(gate) + self._glued_values(gate)
 
     def injection_across_values(self, gate: Gate) -> list[Finding]:
         """Injection findings that only the strings read together show: each JSON part is
@@ -470,15 +486,47 @@ class Document:
             for (p, x), (q, z) in (((i, a), (j, b)), ((j, b), (i, a))):
                 before, after = x[-_REACH:], z[:_REACH]
                 lines.append(before + after)
-                seams.append((p, x, q, pos, pos + len(before), pos + len(before) + len(after)))
+                seams.append((p, x, q, z, pos, pos + len(before), pos + len(before) + len(after)))
                 pos += len(before) + len(after) + 1
         found = gate.scan_secrets(b"\n".join(lines)) if lines else []
         out = []
         for f in found:
-            for p, x, q, start, seam, end in seams:
-                if start <= f.byte_start < seam < f.byte_end <= end:
-                    out += [self._side(f, p, len(x) - (seam - f.byte_start), len(x)),
-                            self._side(f, q, 0, f.byte_end - seam)]
+            for p, x, q, z, start, seam, end in seams:
+                if start <= f.byte_start < seam < f.byte_end <= end and not _held_whole(gate, x[-_REACH:], z[:_REACH]):
+                    out += [self._side(f, p, len(x) - (seam - f.byte_start), len(x), x),
+                            self._side(f, q, 0, f.byte_end - seam, z)]
+        return out
+
+    def _glued_values(self, gate: Gate) -> list[Finding]:
+        """A secret split over three or more values in a row (red team 14: `["AKIA", "PTGZ6J",
+        "FEBZSDOXRL"]`, each pair of them harmless): every text block and value string glued in
+        document order with no joiner (a string repeating the one before it left out), one line;
+        and, since a neighbour that continues the word (`"text": "hi"` after the last piece) breaks
+        a rule's boundary there, each 3 to `_FRAGMENTS` short strings in a row (at most
+        `_FRAGMENT` bytes each) glued on a line of their own: at most 12 x the strings' bytes more.
+        A finding across a seam is cut from every string it touches (whole, where JSON)."""
+        stream = _distinct(self.raw_strings(with_keys=False))
+        if len(stream) < 3:
+            return []
+        raws = [raw for _, raw in stream]
+        long = list(accumulate((len(raw) > _FRAGMENT for raw in raws), initial=0))  # long strings before each
+        runs = [(0, len(raws))] + [(i, i + n) for n in range(3, _FRAGMENTS + 1) for i in range(len(raws) - n + 1)
+                                   if long[i + n] == long[i]]
+        lines = [b"".join(raws[i:j]) for i, j in runs]
+        firsts = list(accumulate((len(line) + 1 for line in lines), initial=0))
+        out = []
+        for f in gate.scan_secrets(b"\n".join(lines)):
+            k = bisect_right(firsts, f.byte_start) - 1
+            (i, j), at = runs[k], f.byte_start - firsts[k]
+            starts = list(accumulate((len(raw) for raw in raws[i:j]), initial=0))
+            first, last = bisect_right(starts, at) - 1, bisect_right(starts, at + f.byte_end - f.byte_start - 1) - 1
+            if f.byte_end <= f.byte_start or first == last or last >= j - i \
+                    or _held_whole(gate, raws[i + first], raws[i + last]):
+                continue
+            for n in range(first, last + 1):
+                lo = at - starts[n] if n == first else 0
+                hi = at + f.byte_end - f.byte_start - starts[n] if n == last else len(raws[i + n])
+                out.append(self._side(f, stream[i + n][0], lo, hi))
         return out
 
     def prose(self) -> list[bytes]:
@@ -497,11 +545,21 @@ class Document:
         return any(bisect_right(starts, f.byte_start) != bisect_right(starts, f.byte_end - 1)
                    for f in gate.scan_secrets(b"".join(values)) if f.byte_end > f.byte_start)
 
-    def _side(self, f: Finding, part: int, lo: int, hi: int) -> Finding:
-        """`f` on one part: bytes [lo, hi) of it where the part is its own raw string, else all of it."""
+    def _side(self, f: Finding, part: int, lo: int, hi: int, raw: bytes | None = None) -> Finding:
+        """`f` on one part's string `raw` (its value when not named): bytes [lo, hi) of it where
+        the part is its own raw string; where the part is JSON (`"key": "value"`), all of the key
+        or all of the value, whichever `raw` is (escapes move offsets inside them, never their
+        bounds): a key beside a cut value is kept, so a result still fits its outputSchema."""
         s, e = self.spans[part]
-        if self.glue is not None and self.glue[part] == self.data[s:e]:
+        value = self.glue[part] if self.glue is not None else None
+        if value is not None and value == self.data[s:e]:
             return replace(f, byte_start=s + lo, byte_end=s + hi)
+        key = self.keys[part] if self.keys is not None else b""
+        if value and key and key != value:
+            head = len(_dump(key.decode("utf-8", "surrogatepass")).encode("utf-8", "surrogatepass"))
+            if raw is None or raw == value:
+                return replace(f, byte_start=s + head + 2, byte_end=e)
+            return replace(f, byte_start=s, byte_end=s + head)
         return replace(f, byte_start=s, byte_end=e)
 
     def split(self, findings: tuple[Finding, ...], kinds: tuple[str, ...]) -> list[Redaction]:
@@ -849,6 +907,15 @@ def _distinct(stream: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
         if not (out and (raw == out[-1][1] or min(len(raw), len(out[-1][1])) >= _PROBE and _repeats(out[-1][1], raw))):
             out.append((k, raw))
     return out
+
+
+def _held_whole(gate: Gate, left: bytes, right: bytes) -> bool:
+    """Whether a secret read across the seam `left|right` is one a side holds whole, reaching the
+    seam (red team 15: `"sk_live_..."` glued to its own key `result` read as one longer token, and
+    the key was cut): then the direct scan already cuts it, and the neighbour is no part of it.
+    (Half of a split key that is a key by itself is cut so too; the rest of it is not.)"""
+    return any(f.byte_end == len(left) for f in gate.scan_secrets(left)) \
+        or any(f.byte_start == 0 for f in gate.scan_secrets(right))
 
 
 def _repeats(a: bytes, b: bytes) -> bool:

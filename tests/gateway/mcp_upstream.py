@@ -81,6 +81,12 @@ def lookup_user(user: str) -> dict[str, str]:
     return {"user": user, "token": "ghp_" + "vF1t8Ck2yQ3nX0sMbLz7aWp4Rj6Ue90mQdDC"}  # a valid CRC32 checksum
 
 
+@server.tool(structured_output=True)
+def billing_key(account: str) -> str:
+    """A scalar result: the SDK wraps it as `{"result": ...}` under an outputSchema that requires `result`."""
+    return f"live key for {account}: sk_live_" + "4eC39HqLyjWDarjtT1zdp7dcaB3dE"
+
+
 @server.tool()
 def poisoned_resource() -> list[EmbeddedResource]:
     """A text resource whose text carries the injection (hostile upstream)."""

@@ -137,6 +137,7 @@ BATCH: list[tuple[str, str, dict[str, Any]]] = [
     ("exfiltrate_injection", "fx__echo", {"text": INJECTION}),
     ("image", "fx__screenshot", {}),
     ("structured_secret", "fx__lookup_user", {"user": "bob"}),
+    ("wrapped_secret", "fx__billing_key", {"account": "acme"}),
     ("poisoned_resource", "fx__poisoned_resource", {}),
     ("huge", "fx__huge", {"megabytes": 2}),
     ("unprefixed_name", "weather", {"city": "Paris"}),
@@ -261,6 +262,15 @@ def test_secret_in_structured_content_is_redacted_in_both_representations(run: d
     got = run["structured_secret"]
     assert got.result.structured_content == {"user": "bob", "token": "[REDACTED:github_token]"}
     assert json.loads(got.texts[0]) == got.result.structured_content
+
+
+def test_a_redacted_structured_result_keeps_its_keys_and_fits_its_output_schema(run: dict[str, Any]) -> None:
+    """Red team 15: the token's cut took its key too (`{"[REDACTED:0]": ...}`), and the SDK client
+    refused the result against the tool's outputSchema. The client validated what it got here."""
+    got = run["wrapped_secret"]
+    assert got.error is None and not got.result.is_error, got.error
+    assert got.result.structured_content == {"result": "live key for acme: [REDACTED:stripe_key]"}
+    assert "sk_live_" not in got.result.model_dump_json()
 
 
 def test_argument_exfiltration_of_a_secret_is_refused_before_the_upstream(run: dict[str, Any]) -> None:

@@ -82,8 +82,10 @@ def _call(proxy: Proxy, name: str, arguments: dict[str, object]) -> tuple[bool, 
     {"more": "FEBZSDOXRL", "text": "AKIAPTGZ6J"},  # red team 13: the halves in the other order
     {"AKIAPTGZ6J": "FEBZSDOXRL"},  # a key and its value
     {"a": "AKIAPTGZ6J", "FEBZSDOXRL": 1},  # a value and the next key
+    {"parts": ["AKIA", "PTGZ6J", "FEBZ", "SDOXRL"]},  # red team 14: over four values, each pair harmless
+    {"a": "AKIAP", "b": "TGZ6JFE", "c": "BZSDOXRL", "text": "hi"},
 ], ids=["two-values", "list", "neighbour-after", "neighbour-before-and-a-list", "other-order", "key-and-value",
-        "value-and-key"])
+        "value-and-key", "four-values", "three-values"])
 def test_a_key_split_over_argument_values_is_refused_before_the_upstream(proxy: Proxy, arguments) -> None:
     """Red team: the halves of an AWS key id in two argument values passed (each value is a JSON
     part `"key": "value"`, and glued as such the quotes broke the key); each seam between two
@@ -106,4 +108,14 @@ def test_a_key_split_over_json_values_is_found_and_its_parts_are_cut_whole() -> 
     doc = Document.of_arguments({"note": "x", "a": "AKIAPTGZ6J", "b": ["FEBZSDOXRL"], "c": "after"})
     found = {(f.byte_start, f.byte_end) for f in doc.glued_secrets(Gate())}
     first, last = doc.spans[1], doc.spans[3]  # `"a": "AKIAPTGZ6J"`, then `"b"`, then `"FEBZSDOXRL"`
-    assert found == {first, last}  # each JSON part holding a fragment, whole (escapes move offsets)
+    # each JSON string holding a fragment, whole (escapes move offsets); a key beside it is kept
+    assert found == {(first[0] + len('"a": '), first[1]), last}
+
+
+def test_a_key_split_over_four_values_is_cut_from_each_and_its_neighbours_are_kept() -> None:
+    from gateway.mcp.guard import Document
+    doc = Document.of_arguments({"note": "hello", "p": ["AKIA", "PTGZ6J", "FEBZ", "SDOXRL"], "after": "bye"})
+    found = {(f.byte_start, f.byte_end) for f in doc.glued_secrets(Gate())}
+    pieces = {doc.data[s:e] for s, e in found}
+    assert all(any(p in piece for piece in pieces) for p in (b"AKIA", b"PTGZ6J", b"FEBZ", b"SDOXRL"))
+    assert not any(b"hello" in piece or b"bye" in piece for piece in pieces)

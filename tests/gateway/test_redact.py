@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import uuid
 
 import pytest
 
@@ -63,7 +64,10 @@ def test_a_result_the_mcp_proxy_quarantined_never_enters_the_chat_cache(live_gat
     key = live_gateway.new_key("boundaryco", user="bo")
     guard = Guard(state.gate, state.policy, state.ledger, state.audit, 1_000_000)
     # a page that the chat endpoint's own gate would let through: only the boundary's memory stops it
-    page = "Opening hours: 9-17. Closed on Sundays."
+    page = f"Opening hours: 9-17. Closed on Sundays. (ref {uuid.uuid4().hex[:8]})"
+    # bytes no other test stores (the content store is shared and content-addressed: another
+    # session that kept WEB_PAGE's bytes would make the blob check below meaningless)
+    poisoned = f"{WEB_PAGE}\n<!-- fetched by test_redact {uuid.uuid4().hex} -->"
     outcome = guard.screen_result(Call(Principal("boundaryco", "bo"), None, "web", "web__fetch"),
                                   types.CallToolResult(content=[types.TextContent(type="text", text=page)]))
     assert outcome.decision.action == "allow"
@@ -72,12 +76,12 @@ def test_a_result_the_mcp_proxy_quarantined_never_enters_the_chat_cache(live_gat
         content_sha256=hashlib.sha256(page.encode()).hexdigest(), action="quarantine", meta={}),
         [hashlib.sha256(page.encode()).hexdigest()])])
     injected = guard.screen_result(Call(Principal("boundaryco", "bo"), None, "web", "web__fetch"),
-                                   types.CallToolResult(content=[types.TextContent(type="text", text=WEB_PAGE)]))
+                                   types.CallToolResult(content=[types.TextContent(type="text", text=poisoned)]))
     assert injected.decision.action == "quarantine"
     fetch = {"role": "assistant", "content": None,
              "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "web__fetch", "arguments": "{}"}}]}
     with live_gateway.client(key) as http:
-        for content in (page, WEB_PAGE):
+        for content in (page, poisoned):
             reply = _chat(http, [{"role": "user", "content": "open it"}, fetch,
                                  {"role": "tool", "tool_call_id": "c1", "content": content}])
             assert reply.status_code == 200, reply.text
