@@ -57,6 +57,7 @@ _GROUPED = re.compile(_OPEN + rb"(?:[A-Za-z0-9+/=_]{2}(?P<s2>[ \-])(?:[A-Za-z0-9
 # gzip or zlib inside base64 or hex is inflated to a budget for the whole document, 4 x its size
 # and at least 64 KB: a bomb stops there, and the readings stay linear
 INFLATE_RATIO, MIN_INFLATE = 4, 1 << 16
+_LINE_BREAKS = re.compile(rb"\s|\\n")  # what joins `_BASE64_LINES`'s lines
 _BASE64_LINES = re.compile(rb"(?<![A-Za-z0-9+/=])(?:[A-Za-z0-9+/]{16,76}(?:\r?\n|\\n)[ \t]{0,8}){2,4096}[A-Za-z0-9+/]{0,76}={0,2}")
 _FOLD = re.compile(rb"\r\n[ \t]")  # a folded line (RFC 5545 iCalendar, RFC 5322 headers): unfolded by deleting it
 GUTTER_LINES = 3
@@ -198,7 +199,7 @@ def _printable(raw: bytes) -> bool:
 def _decoded(inflate: Inflater, m: re.Match[bytes]) -> bytes | None:
     """The run base64-decoded (standard or URL-safe; lines `base64` wrapped joined) and inflated,
     when it decodes to printable text."""
-    body = re.sub(rb"\s|\\n", b"", m.group()).rstrip(b"=")
+    body = _LINE_BREAKS.sub(b"", m.group()).rstrip(b"=")
     if len(body) % 4 == 1:
         return None
     padded = body + b"=" * (-len(body) % 4)
