@@ -2,9 +2,10 @@
 
 from ._text import normalised
 from .core import Gate, scan
+from .dbcache import CompileCache, compile_cache
 from .errors import GateError
 from .findings import Finding, GateReport
 from .probe import InjectionProbe
 from .redact import Cut, Redaction, placeholder, redact
 
-__all__ = ["Cut", "Finding", "Gate", "GateError", "GateReport", "InjectionProbe", "Redaction", "normalised", "placeholder", "redact", "scan"]
+__all__ = ["CompileCache", "Cut", "Finding", "Gate", "GateError", "GateReport", "InjectionProbe", "Redaction", "compile_cache", "normalised", "placeholder", "redact", "scan"]

@@ -16,6 +16,7 @@ from .findings import Finding, GateReport
 from .heuristics import HeuristicScanner, load_injection_rules
 from .joined import JOIN_WINDOW, scan_joined
 from .learned import WEIGHTS_PATH, NgramScorer
+from .dbcache import CompileCache
 from .engine import require_hyperscan
 from .errors import GateError
 from .unwrap import readings, text_readings
@@ -30,7 +31,10 @@ MAX_ENCODING_FINDINGS = 16
 class Gate:
     """Scores one tool result for prompt injection and secrets. Build once; ``scan`` is thread-safe."""
 
-    def __init__(self, *, gitleaks_config: Path | None = None, learned: bool = True) -> None:
+    def __init__(self, *, gitleaks_config: Path | None = None, learned: bool = True,
+                 cache: CompileCache | None = None) -> None:
+        """``cache``: where compiled rule databases are kept (default: the directory
+        ``LETHE_GATE_CACHE_DIR`` names; see gate/dbcache.py)."""
         require_hyperscan()
         rules, allowlist = load_rules()
         if gitleaks_config is not None:
@@ -38,13 +42,13 @@ class Gate:
             rules += [_with_global_allowlist(r, extra_allow) for r in extra]
             log.info("gitleaks_rules_loaded", path=str(gitleaks_config), rules=len(extra))
         self.secret_rules = rules
-        self.secrets = SecretScanner(rules, allowlist)
+        self.secrets = SecretScanner(rules, allowlist, cache=cache)
         scorer = None
         if learned:
             if not WEIGHTS_PATH.exists():
                 raise GateError(f"{WEIGHTS_PATH} missing; run `python -m gate.train.train_injection` or pass learned=False")
             scorer = NgramScorer.load(WEIGHTS_PATH)
-        self.heuristics = HeuristicScanner(load_injection_rules(), scorer)
+        self.heuristics = HeuristicScanner(load_injection_rules(), scorer, cache=cache)
         unicode_tables()  # built once here (~0.3 s), not on the first request
 
     def scan(self, data: bytes, *, content_type: str | None = None, tool: str | None = None) -> GateReport:

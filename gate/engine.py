@@ -9,10 +9,12 @@ and capture groups, which is cheap because real matches are rare in tool results
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 import threading
 from dataclasses import dataclass
 
+from .dbcache import CompileCache, CompileFailed, compile_cache, key_of
 from .errors import GateError
 
 try:  # pragma: no cover - exercised on machines without the wheel
@@ -24,6 +26,19 @@ except ImportError as exc:  # pragma: no cover
     hyperscan = None  # type: ignore[assignment]
     HAVE_HYPERSCAN = False
     HYPERSCAN_ERROR = str(exc)
+
+
+_HYPERSCAN_VERSION = importlib.metadata.version("hyperscan") if HAVE_HYPERSCAN else ""  # its wheel bundles the library
+
+
+# Every scan reads the data and one newline after it. Hyperscan 5.4 (the wheel's) missed a match
+# that ends exactly at the end of a 17-34 byte buffer on an AMD Zen 5 (AVX-512; `\\"` after 15
+# bytes, a short literal's tail scan), while a byte after it made the match found. A newline
+# keeps `$` (end, or before a final newline) and `\b` as they were at the end; matches that reach
+# into it are clamped to the data, and `re` confirms every match on the data itself.
+# `tests/gate/test_engine_tail.py` places every rule's examples at the end of buffers of every
+# length up to 96 bytes on the machine the tests run on.
+PAD = b"\n"
 
 
 def require_hyperscan() -> None:
@@ -54,14 +69,36 @@ def compile_python(pattern: Pattern) -> re.Pattern:
     return re.compile(pattern.regex.encode("utf-8"), flags)
 
 
+def _compile(patterns: list[Pattern], flags: list[int], cache: CompileCache):
+    """One block-mode database of ``patterns`` with ``flags``, from ``cache`` when it holds it;
+    ``hyperscan.error`` when Hyperscan refuses them (a refusal is cached too)."""
+    expressions = [p.regex.encode("utf-8") for p in patterns]
+    ids = [p.ident for p in patterns]
+
+    def build():
+        db = hyperscan.Database(mode=hyperscan.HS_MODE_BLOCK)
+        try:
+            db.compile(expressions=expressions, ids=ids, elements=len(patterns), flags=flags)
+        except hyperscan.error as exc:
+            raise CompileFailed(str(exc)) from exc
+        return db
+
+    key = key_of(_HYPERSCAN_VERSION, hyperscan.HS_MODE_BLOCK, expressions, ids, flags)
+    try:
+        return cache.get(key, build, hyperscan.dumpb, lambda b: hyperscan.loadb(b, hyperscan.HS_MODE_BLOCK))
+    except CompileFailed as exc:
+        raise hyperscan.error(str(exc)) from None
+
+
 class MultiMatcher:
     """Compile once, scan many times from any thread."""
 
-    def __init__(self, patterns: list[Pattern]) -> None:
+    def __init__(self, patterns: list[Pattern], *, cache: CompileCache | None = None) -> None:
         require_hyperscan()
         self.patterns = {p.ident: p for p in patterns}
         self._python = {p.ident: compile_python(p) for p in patterns}
         self._local = threading.local()
+        self._cache = cache or compile_cache()
         self._db = self._compile_hyperscan(patterns) if patterns else None
 
     @staticmethod
@@ -75,35 +112,28 @@ class MultiMatcher:
             flags |= hyperscan.HS_FLAG_PREFILTER
         return flags
 
-    @staticmethod
-    def _try_compile(patterns: list[Pattern], flags: list[int]):
-        db = hyperscan.Database(mode=hyperscan.HS_MODE_BLOCK)
-        db.compile(expressions=[p.regex.encode("utf-8") for p in patterns], ids=[p.ident for p in patterns],
-                   elements=len(patterns), flags=flags)
-        return db
-
     def _compile_hyperscan(self, patterns: list[Pattern]):
         """Exact mode where Hyperscan can; prefilter mode (a superset, confirmed by ``re``) where a
         pattern is too large for it, e.g. long bounded repeats."""
         try:
-            return self._try_compile(patterns, [self._flags(p) for p in patterns])
+            return _compile(patterns, [self._flags(p) for p in patterns], self._cache)
         except hyperscan.error:
             pass
         flags = []
         for p in patterns:
             try:
-                self._try_compile([p], [self._flags(p)])
+                _compile([p], [self._flags(p)], self._cache)
                 flags.append(self._flags(p))
             except hyperscan.error:
                 flags.append(self._flags(p, prefilter=True))
-        return self._try_compile(patterns, flags)
+        return _compile(patterns, flags, self._cache)
 
     @staticmethod
     def hyperscan_error(pattern: Pattern) -> str | None:
         """Why Hyperscan rejects ``pattern`` even as a prefilter (None when usable)."""
         require_hyperscan()
         try:
-            MultiMatcher._try_compile([pattern], [MultiMatcher._flags(pattern, prefilter=True)])
+            _compile([pattern], [MultiMatcher._flags(pattern, prefilter=True)], compile_cache())
         except hyperscan.error as exc:
             return str(exc)
         return None
@@ -124,7 +154,8 @@ class MultiMatcher:
         if self._db is None:  # no patterns
             return {}
         hits: dict[int, list[int]] = {}
-        self._db.scan(data, match_event_handler=lambda ident, _start, end, *_: hits.setdefault(ident, []).append(end),
+        n = len(data)
+        self._db.scan(data + PAD, match_event_handler=lambda ident, _start, end, *_: hits.setdefault(ident, []).append(min(end, n)),
                       scratch=self._scratch())
         return hits
 
@@ -172,7 +203,7 @@ class SpanMatcher:
     carry the end only and the caller confirms in a bounded window before it.
     """
 
-    def __init__(self, patterns: list[Pattern], *, limit: int = 64) -> None:
+    def __init__(self, patterns: list[Pattern], *, limit: int = 64, cache: CompileCache | None = None) -> None:
         self.limit = limit
         self._dbs = {}
         self.has_start: dict[int, bool] = {}
@@ -181,7 +212,7 @@ class SpanMatcher:
             base = MultiMatcher._flags(p) & ~hyperscan.HS_FLAG_SINGLEMATCH
             for flags, som in ((base | hyperscan.HS_FLAG_SOM_LEFTMOST, True), (base, False)):
                 try:
-                    self._dbs[p.ident] = MultiMatcher._try_compile([p], [flags])
+                    self._dbs[p.ident] = _compile([p], [flags], cache or compile_cache())
                 except hyperscan.error:
                     continue
                 self.has_start[p.ident] = som
@@ -201,13 +232,14 @@ class SpanMatcher:
         if ident not in self._dbs:  # no Hyperscan: ``re`` (not time-bounded; see gate/README.md)
             return self._python_spans(ident, data)
         hits: list[tuple[int, int]] = []
+        n = len(data)
 
         def on_match(_id: int, start: int, end: int, _flags: int, _ctx: object) -> bool:
-            hits.append((start if self.has_start[ident] else -1, end))
+            hits.append((min(start, n) if self.has_start[ident] else -1, min(end, n)))
             return len(hits) >= self.limit
 
         try:
-            self._dbs[ident].scan(data, match_event_handler=on_match, scratch=self._scratch(ident))
+            self._dbs[ident].scan(data + PAD, match_event_handler=on_match, scratch=self._scratch(ident))
         except hyperscan.ScanTerminated:
             pass
         return hits

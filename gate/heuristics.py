@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ._text import Decoded, View, decode, detection_view, unicode_boundaries, word_chars
+from .dbcache import CompileCache
 from .engine import MultiMatcher, Pattern, SpanMatcher
 from .errors import GateError
 from .findings import Finding
@@ -86,16 +87,17 @@ Excerpt = Callable[[int, int], str]
 class HeuristicScanner:
     """Runs the pattern rules (one Hyperscan pass) and the detectors they screen in."""
 
-    def __init__(self, rules: list[InjectionRule], scorer: NgramScorer | None) -> None:
+    def __init__(self, rules: list[InjectionRule], scorer: NgramScorer | None, *,
+                 cache: CompileCache | None = None) -> None:
         self.rules = rules
         self.scorer = scorer
         self._patterns = [Pattern(i, unicode_boundaries(r.regex) if r.regex else _SCREENS[r.id], caseless=True,
                                   utf8=bool(r.regex))
                           for i, r in enumerate(rules)]
-        self.matcher = MultiMatcher(self._patterns)
+        self.matcher = MultiMatcher(self._patterns, cache=cache)
         phrases = [p for p in self._patterns if rules[p.ident].regex]
-        self._phrase = MultiMatcher(phrases)
-        self._spans = SpanMatcher(phrases)
+        self._phrase = MultiMatcher(phrases, cache=cache)
+        self._spans = SpanMatcher(phrases, cache=cache)
 
     # Detectors that look for the hidden characters themselves read the decoded text; everything
     # else reads the normalised view (gate._text.detection_view), offsets mapped back to raw bytes.

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import structlog
 
+from .dbcache import CompileCache
 from .engine import MultiMatcher, Pattern, SpanMatcher
 from .errors import GateError
 from .findings import Finding
@@ -390,12 +391,12 @@ def _merge_windows(windows: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
 class SecretScanner:
     """All secret rules compiled into one matcher."""
 
-    def __init__(self, rules: Iterable[SecretRule], allowlist: Allowlist) -> None:
+    def __init__(self, rules: Iterable[SecretRule], allowlist: Allowlist, *, cache: CompileCache | None = None) -> None:
         self.rules = list(rules)
         self.allowlist = allowlist
         patterns = [Pattern(i, r.regex, caseless=r.caseless, window=r.window) for i, r in enumerate(self.rules)]
-        self.matcher = MultiMatcher(patterns)
-        self._ends = SpanMatcher(patterns, limit=WINDOW_REPORTS)
+        self.matcher = MultiMatcher(patterns, cache=cache)
+        self._ends = SpanMatcher(patterns, limit=WINDOW_REPORTS, cache=cache)
         self._width = {p.ident: _max_width(p) or (p.window or None) for p in patterns}
 
     def _matches(self, data: bytes) -> Iterator[tuple[int, re.Match[bytes]]]:

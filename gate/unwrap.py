@@ -14,7 +14,13 @@ references and hex runs decoded (a red team's arguments carried tokens so), with
 and both; with base64 wrapped in lines read joined, gzip (every member) and zlib inside base64
 or hex inflated (to one budget a document, `INFLATE_RATIO` times its size),
 base32 runs decoded where they decode to text, and a token spelled out a character at a time
-(`A K I A ...`) read joined. Each byte of a reading knows the raw span it came from, so a finding reports the raw
+(`A K I A ...`) read joined; with HTML tags and ANSI escapes removed, pieces of a string joined as
+a program or a shell joins them, a token cut into labels of one length joined, numbers read as the
+bytes they spell, a hex dump read as its bytes, and a CSV column that names a secret read as
+assigned (red team 16). `text_readings` adds, for the injection rules, the text without markup,
+without Markdown emphasis, and with an identifier's joiners, CamelCase and spaced-out letters read
+as words. Each reading's regex is screened by Hyperscan first (`_screen`): a document with no run
+for it costs one automaton pass, not a Python `re` pass. Each byte of a reading knows the raw span it came from, so a finding reports the raw
 span (a whole base64 run when the secret was inside one: that run is what a redaction must cut).
 Linear in the input: one regex pass and one decode per run per level, a fixed number of levels.
 """
@@ -32,16 +38,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .engine import MultiMatcher, Pattern
+
 ESCAPE_LEVELS = 3
 BASE64_LEVELS = 2  # base64 inside base64 (`.dockerconfigjson` -> `auth`), no deeper
 MIN_BASE64 = 16  # the shortest run decoded: 12 bytes, room for `user:password` and most tokens
-_ESCAPE = re.compile(rb'\\(?:u[0-9a-fA-F]{4}|[nrtbf"\'\\/])')
+_ESCAPE = re.compile(rb'\\(?:u[0-9a-fA-F]{4}|x[0-9a-fA-F]{2}|[0-3][0-7]{2}|[nrtbf"\'\\/])')  # JSON's, C's \x and octal
 _SIMPLE = {b"n": b"\n", b"r": b"\r", b"t": b"\t", b"b": b"\b", b"f": b"\f", b'"': b'"', b"'": b"'", b"\\": b"\\",
            b"/": b"/"}
 _PERCENT = re.compile(rb"(?:%[0-9A-Fa-f]{2})+")
 _ENTITIES = re.compile(rb"(?:&(?:#[0-9]{1,7}|#[xX][0-9A-Fa-f]{1,6}|[A-Za-z]{2,8});)+")  # HTML/XML character references
 _HEX = re.compile(rb"(?<![0-9A-Fa-f])(?:[0-9A-Fa-f]{2}){16,}(?![0-9A-Fa-f])")  # 16 bytes or more
-_PLUS = re.compile(rb"[^\s&=?+]{1,64}(?:\+[^\s&=?+]{1,64}){2,}")  # three or more words joined by +
+# three or more words joined by +, from a word's start (else every position of a long run without
+# a + was a start, each tried 64 ways: 0.7 s over 256 KB of `![`)
+_PLUS = re.compile(rb"(?<![^\s&=?+])[^\s&=?+]{1,64}(?:\+[^\s&=?+]{1,64}){2,}")
 _BASE32 = re.compile(rb"(?<![A-Za-z0-9+/=])(?:[A-Z2-7]{8}){2,}(?:[A-Z2-7]{2,7}={0,6})?(?![A-Za-z0-9+/=])")  # RFC 4648 base32
 # A token spelled out a character at a time, the same separator between every two (one or two
 # spaces, a tab, a line break, a dot, dash or comma, a JSON or Python list's `", "`), or in groups of
@@ -50,10 +60,50 @@ _BASE32 = re.compile(rb"(?<![A-Za-z0-9+/=])(?:[A-Z2-7]{8}){2,}(?:[A-Z2-7]{2,7}={
 _OPEN, _CLOSE = rb"(?:(?<![!-~])|(?<=[\"'`(\[{<>=:]))", rb"(?:(?![!-~])|(?=[\"'`)\]}<>,;:.\-]))"
 _SPACED = re.compile(_OPEN + rb"""[!-~](?P<sep> {1,2}|\t|\r?\n|[.,\-]|, |"[ \t]?,[ \t]?"|'[ \t]?,[ \t]?')"""
                      rb"(?:[!-~](?P=sep)){11,2048}[!-~]" + _CLOSE)
+# Its screen (see `_screen`): the same runs with the separator repeated by its own pattern rather
+# than by a backreference, which Hyperscan only approximates (too loosely: it flagged most JSON)
+_SPACED_SCREEN = b"|".join(rb"[!-~](?:" + sep + rb")(?:[!-~](?:" + sep + rb")){11,}[!-~]" for sep in (
+    rb" {1,2}", rb"\t", rb"\r?\n", rb"[.,\-]", rb", ", rb'"[ \t]?,[ \t]?"', rb"'[ \t]?,[ \t]?'"))
 _GROUPED = re.compile(_OPEN + rb"(?:[A-Za-z0-9+/=_]{2}(?P<s2>[ \-])(?:[A-Za-z0-9+/=_]{2}(?P=s2)){5,1024}[A-Za-z0-9+/=_]{2}"
                       rb"(?:(?P=s2)(?P<t2>[A-Za-z0-9+/=_]))?"
                       rb"|[A-Za-z0-9+/=_]{4}(?P<s4>[ \-])(?:[A-Za-z0-9+/=_]{4}(?P=s4)){2,512}[A-Za-z0-9+/=_]{4}"
                       rb"(?:(?P=s4)(?P<t4>[A-Za-z0-9+/=_]{1,3}))?)(?![A-Za-z0-9+/=_])")
+# Markup a renderer or a terminal removes: HTML tags (inline ones read as nothing, so a token split
+# by `<wbr>` or `</span><span>` is whole again; the rest as a space, so `previous<br>instructions`
+# stays two words), HTML comments, and ANSI escape sequences (colours inside a token). Red team 16.
+_INLINE_TAGS = frozenset(b"a abbr b bdi bdo big cite code data del dfn em font i ins kbd mark q s samp small span "
+                         b"strike strong sub sup time tt u var wbr".split())
+_MARKUP = re.compile(rb"</?([A-Za-z][A-Za-z0-9]{0,15})(?:[ \t\r\n/][^<>]{0,512})?>|<!--[^>]{0,512}?-->"
+                     rb"|\x1b\[[0-?]{0,32}[ -/]{0,4}[@-~]|\x1b\][^\x07\x1b]{0,512}(?:\x07|\x1b\\)")
+# Markdown emphasis and code spans around words (`**Ignore** all`, `_all_`, `` `all` ``), for the
+# injection rules: the delimiters a rendered page does not show
+_EMPHASIS = re.compile(rb"(?:^|(?<=[\s(\[\"']))[*_`~]{1,3}(?=[^\s*_`~])|(?<=[^\s*_`~])[*_`~]{1,3}(?=[\s.,;:!?)\]\"']|$)")
+# (its screen consumes the characters its lookarounds only look at: a superset, and exact enough
+# that `price_eur` or `__init__` do not send every JSON document through `re`)
+_EMPHASIS_SCREEN = rb"(?:^|[\s(\[\"'])[*_`~]{1,3}[^\s*_`~]|[^\s*_`~][*_`~]{1,3}[\s.,;:!?)\]\"']"
+# Words an identifier or a path joins (`ignore_all_previous_instructions`, `Ignore-All-...`,
+# `IgnoreAllPreviousInstructions`, `D i s r e g a r d   a l l`), read as words by the injection
+# rules (a tool's schema property named so is read by the model as a sentence)
+_JOINED_WORDS = re.compile(rb"(?<![A-Za-z0-9_\-.,|/:])[A-Za-z]{1,32}(?:[_\-.,|/:][A-Za-z]{1,32}){3,64}(?![A-Za-z0-9])")
+_CAMEL_WORDS = re.compile(rb"(?<![A-Za-z0-9])[A-Z]?[a-z]{1,32}(?:[A-Z][a-z]{1,32}){3,64}(?![A-Za-z0-9])")
+_LETTER_SPACED = re.compile(rb"(?<![!-~])[A-Za-z](?: [A-Za-z]){2,32}(?:(?:   | \| | / )[A-Za-z](?: [A-Za-z]){0,32}){1,32}(?![!-~])")
+# Pieces of one string a program or a shell joins: `"ab" + "cd"` (Java, JS), `"ab"\n "cd"` (Python,
+# C), `'ab' . 'cd'` (PHP), `'ab' || 'cd'` (SQL), a shell's `\` line continuation
+_TOKEN = rb"[A-Za-z0-9+/=_\-]"
+_CONCAT = re.compile(rb"(?<=" + _TOKEN + rb")(?:[\"']\s{0,32}(?:\+|\.|\|\||&)?\s{0,32}[\"']|\\\r?\n[ \t]{0,32})(?=" + _TOKEN + rb")")
+# A token cut into labels of one length (DNS exfiltration `ghp_ByFT.79tBfVle.gFuF...`, a URL path
+# `/ab12c/de34f/...`), 3 to 16 characters each, the last one as short as it likes; a digit required
+_LABEL = rb"[A-Za-z0-9_+=]"
+_LABELS = re.compile(rb"(?<![A-Za-z0-9_+=])" + _LABEL + rb"{1,16}(?P<sep>[./:])" + _LABEL + rb"{1,16}(?:(?P=sep)" + _LABEL
+                     + rb"{1,16}){1,64}(?!" + _LABEL + rb")")
+_LABELS_SCREEN = _LABEL + rb"{1,16}[./:]" + _LABEL + rb"{1,16}(?:[./:]" + _LABEL + rb"{1,16}){1,64}"
+# Bytes written as numbers: a JSON or C array, `String.fromCharCode(...)`, `0x67 0x68 ...`
+_BYTE_LIST = re.compile(rb"(?<![\w.])(?:(?:0[xX][0-9a-fA-F]{1,2}|[0-9]{1,3})(?:[ \t]*,[ \t]*|[ \t]+)){11,4096}"
+                        rb"(?:0[xX][0-9a-fA-F]{1,2}|[0-9]{1,3})(?![\w.])")
+# A hex dump (`xxd`, `hexdump -C`, `od -A x -t x1z`): its hex columns, two lines or more, read as the bytes
+_DUMP_LINE = rb"[0-9a-fA-F]{6,8}:? {1,2}[0-9a-fA-F]{2}[^\n]{0,120}"
+_HEXDUMP = re.compile(rb"(?:^|(?<=\n))(?:" + _DUMP_LINE + rb"\n)+" + _DUMP_LINE)
+_HEXDUMP_LINE = re.compile(rb"[0-9a-fA-F]{6,8}:?((?: {1,2}[0-9a-fA-F]{4}| {1,2}[0-9a-fA-F]{2}(?![0-9a-fA-F])){1,16})")
 # gzip or zlib inside base64 or hex is inflated to a budget for the whole document, 4 x its size
 # and at least 64 KB: a bomb stops there, and the readings stay linear
 INFLATE_RATIO, MIN_INFLATE = 4, 1 << 16
@@ -91,9 +141,32 @@ class Reading:
 Replace = Callable[[re.Match[bytes]], bytes | None]  # a match's replacement; None: keep it
 
 
+@functools.cache
+def _screen(pattern: re.Pattern[bytes]) -> MultiMatcher | None:
+    """A Hyperscan screen for `pattern` (exact where Hyperscan can compile it, else in prefilter
+    mode, a superset: backreferences, lookarounds): one automaton pass tells whether `re` could
+    match at all, so a reading the document has no run for costs microseconds, not `re`'s
+    milliseconds per 5 KB (most documents hold no base64, hex, base32 or spelled-out run). Only
+    plain and case-insensitive patterns are screened; `test_unwrap` holds each screen to be a
+    superset of its pattern over the red-team and worst-case corpora."""
+    if pattern.flags & ~(re.IGNORECASE | re.ASCII):
+        return None
+    regex = {id(_SPACED): _SPACED_SCREEN, id(_LABELS): _LABELS_SCREEN, id(_EMPHASIS): _EMPHASIS_SCREEN}.get(
+        id(pattern), pattern.pattern)
+    return MultiMatcher([Pattern(0, regex.decode("utf-8"), caseless=bool(pattern.flags & re.IGNORECASE))])
+
+
+def may_match(pattern: re.Pattern[bytes], data: bytes) -> bool:
+    """False only when `pattern` has no match in `data` (its screen found none)."""
+    screen = _screen(pattern)
+    return screen is None or bool(screen.triggered(data))
+
+
 def _rewrite(reading: Reading, pattern: re.Pattern[bytes], replace: Replace) -> Reading | None:
     """`reading` with each match of `pattern` replaced (each byte of a replacement comes from the
     whole match); None when nothing was replaced."""
+    if not may_match(pattern, reading.data):
+        return None
     edits = ((m.start(), m.end(), replace(m)) for m in pattern.finditer(reading.data))
     return _edited(reading, ((s, e, out) for s, e, out in edits if out is not None))
 
@@ -134,6 +207,10 @@ def _edited(reading: Reading, edits: Iterable[tuple[int, int, bytes]]) -> Readin
 
 def _unescape(m: re.Match[bytes]) -> bytes | None:
     token = m.group()[1:]
+    if token[:1] == b"x":
+        return bytes([int(token[1:], 16)])
+    if token[:1].isdigit():
+        return bytes([int(token, 8)])
     if token[:1] != b"u":
         return _SIMPLE[token]
     cp = int(token[1:], 16)
@@ -240,6 +317,70 @@ def _ungrouped(m: re.Match[bytes]) -> bytes | None:
     return joined + m.group()[len(body):] if any(0x30 <= c <= 0x39 for c in joined) else None
 
 
+def _unmarked(m: re.Match[bytes]) -> bytes:
+    tag = m.group(1)
+    return b" " if tag is not None and tag.lower() not in _INLINE_TAGS else b""
+
+
+def _words(m: re.Match[bytes]) -> bytes:
+    return re.sub(rb"[_\-.,|/:]", b" ", m.group())
+
+
+def _camel_words(m: re.Match[bytes]) -> bytes:
+    return re.sub(rb"(?<=[a-z])(?=[A-Z])", b" ", m.group())
+
+
+def _letters(m: re.Match[bytes]) -> bytes:
+    return re.sub(rb"   | \| | / ", b"\0", m.group()).replace(b" ", b"").replace(b"\0", b" ")
+
+
+def _labels(tail: bool, m: re.Match[bytes]) -> bytes | None:
+    """The longest run of two or more labels of one length (3 to 16) joined, with the label after
+    it when shorter (`tail`; else it stays apart: it may be the next name, `.evil.example`, rather
+    than the token's end); None when there is no such run or it holds no digit."""
+    sep = m.group("sep")
+    parts = m.group().split(sep)
+    best = (0, 0)
+    i = 0
+    while i < len(parts):
+        j = i + 1
+        while j < len(parts) and len(parts[j]) == len(parts[i]):
+            j += 1
+        if len(parts[i]) >= 3 and j - i >= 2 and j - i > best[1] - best[0]:
+            best = (i, j)
+        i = j
+    lo, hi = best
+    if hi - lo < 2:
+        return None
+    if tail:  # else the same reading as without: none to scan twice
+        if not (hi < len(parts) and len(parts[hi]) < len(parts[lo])):
+            return None
+        hi += 1
+    joined = b"".join(parts[lo:hi])
+    if not any(0x30 <= c <= 0x39 for c in joined):
+        return None
+    return sep.join(parts[:lo] + [joined] + parts[hi:])
+
+
+def _bytes_of(m: re.Match[bytes]) -> bytes | None:
+    """The numbers as bytes, when every one is printable ASCII (a list of measurements is not text)."""
+    values = [int(v, 16) if v[:2].lower() == b"0x" else int(v) for v in re.findall(rb"0[xX][0-9a-fA-F]{1,2}|[0-9]{1,3}", m.group())]
+    return bytes(values) if all(0x20 <= v <= 0x7E for v in values) else None
+
+
+def _undumped(m: re.Match[bytes]) -> bytes | None:
+    """A hex dump's bytes: each line's hex columns (up to 16 bytes a line), its offsets and its
+    ASCII column dropped."""
+    out = []
+    for line in m.group().split(b"\n"):
+        cols = _HEXDUMP_LINE.match(line)
+        if cols is None:
+            continue
+        digits = cols.group(1).replace(b" ", b"")
+        out.append(binascii.unhexlify(digits[:32]))
+    return b"".join(out) or None
+
+
 def _levels(reading: Reading, pattern: re.Pattern[bytes], replace: Replace, levels: int,
             cue: bytes | None = None) -> list[Reading]:
     """Each of up to `levels` rewrites in a row (a rule may need an inner level: the base64 `auth`
@@ -306,10 +447,51 @@ def _table_edits(data: bytes) -> Iterator[tuple[int, int, bytes]]:
 
 
 def _tables(reading: Reading) -> list[Reading]:
-    if b"|" not in reading.data or not _RULE_LINE.search(reading.data):
-        return []
-    out = _edited(reading, _table_edits(reading.data))
-    return [out] if out is not None else []
+    out = None
+    if b"|" in reading.data and _RULE_LINE.search(reading.data):
+        out = _edited(reading, _table_edits(reading.data))
+    csv = _edited(reading, _csv_edits(reading.data)) if may_match(_SECRET_NAME, reading.data) else None
+    return [r for r in (out, csv) if r is not None]
+
+
+_CSV_NAME = re.compile(rb'[ \t]*"?[A-Za-z_][A-Za-z0-9_ .\-]{0,40}"?[ \t]*\r?')
+
+
+def _csv_cells(line: bytes, at: int, sep: int) -> list[tuple[int, int]]:
+    """The spans of a delimited row's cells (in the document), spaces and one pair of quotes trimmed."""
+    spans, start = [], at
+    for cell in line.split(bytes([sep])):
+        lead = len(cell) - len(cell.lstrip())
+        inner = cell.strip()
+        q = 1 if len(inner) >= 2 and inner[:1] == inner[-1:] and inner[:1] in (b'"', b"'") else 0
+        spans.append((start + lead + q, start + lead + len(inner) - q))
+        start += len(cell) + 1
+    return spans
+
+
+def _csv_edits(data: bytes) -> Iterator[tuple[int, int, bytes]]:
+    """Each cell of a CSV/TSV table under a header cell that names a secret, rewritten
+    `header=cell` (a `users.csv` with a `password` column; red team 16), as `_table_edits` does
+    for pipe tables. A header is a row of 2+ name-like cells; its rows have as many cells."""
+    header: list[bytes] | None = None
+    sep = 0
+    at = 0
+    for line in data.split(b"\n"):
+        row_at, at = at, at + len(line) + 1
+        if header is not None:
+            cells = _csv_cells(line.rstrip(b"\r"), row_at, sep)
+            if len(cells) == len(header):
+                for name, (s, e) in zip(header, cells):
+                    if e > s and _SECRET_NAME.search(name) and not _NOT_SECRET.search(name):
+                        yield s, e, name + b"=" + data[s:e] + b" "  # the space ends the value, as a comma does not
+                continue
+            header = None
+        for sep in (0x2C, 0x3B, 0x09):  # , ; tab
+            names = line.rstrip(b"\r").split(bytes([sep]))
+            if len(names) > 1 and all(_CSV_NAME.fullmatch(n) for n in names) \
+                    and any(_SECRET_NAME.search(n) for n in names):
+                header = [n.strip().strip(b'"') for n in names]
+                break
 
 
 def _wrap_edits(data: bytes) -> Iterator[tuple[int, int, bytes]]:
@@ -348,7 +530,10 @@ def text_readings(data: bytes) -> list[Reading]:
     value shows it (red team 14)."""
     base, text = _text(data)
     return text + _levels(base, _PLUS, lambda m: urllib.parse.unquote_to_bytes(m.group().replace(b"+", b" ")), 1,
-                          cue=b"+")  # a form-encoded query: words joined by +
+                          cue=b"+") \
+        + _levels(base, _MARKUP, _unmarked, 1) + _levels(base, _EMPHASIS, lambda m: b"", 1) \
+        + _levels(base, _JOINED_WORDS, _words, 1) + _levels(base, _CAMEL_WORDS, _camel_words, 1) \
+        + _levels(base, _LETTER_SPACED, _letters, 1)  # a form-encoded query: words joined by +; markup; identifiers
 
 
 def readings(data: bytes) -> list[Reading]:
@@ -363,5 +548,9 @@ def readings(data: bytes) -> list[Reading]:
     unfolded = _levels(base, _FOLD, lambda m: b"", 1, cue=b"\r\n")
     unbase32 = _levels(base, _BASE32, _unbase32, 1)
     unspaced = _levels(base, _SPACED, _unspaced, 1) + _levels(base, _GROUPED, _ungrouped, 1)
-    return text + unhexed + decoded + wrapped + again + unfolded + unbase32 + unspaced + _gutterless(base) + _tables(base) \
-        + _unwrapped(base)
+    relabelled = _levels(base, _LABELS, functools.partial(_labels, False), 1) \
+        + _levels(base, _LABELS, functools.partial(_labels, True), 1)
+    rejoined = _levels(base, _MARKUP, _unmarked, 1) + _levels(base, _CONCAT, lambda m: b"", 1) \
+        + _levels(base, _BYTE_LIST, _bytes_of, 1) + _levels(base, _HEXDUMP, _undumped, 1)
+    return text + unhexed + decoded + wrapped + again + unfolded + unbase32 + unspaced + relabelled + rejoined \
+        + _gutterless(base) + _tables(base) + _unwrapped(base)

@@ -269,9 +269,8 @@ def _verify_live_audit(log: Any) -> bool:
 @gate_app.command("scan")
 def gate_scan(path: Path) -> None:
     """Scan a file as a tool result and print the report (secret values are masked)."""
-    from gate import Gate
 
-    _emit(Gate(gitleaks_config=_settings().gitleaks_config).scan(path.read_bytes()).to_dict())
+    _emit(_settings().gate().scan(path.read_bytes()).to_dict())
 
 
 @gate_app.command("eval")
@@ -282,7 +281,6 @@ def gate_eval(data: Annotated[Path, typer.Option(help="JSONL of {text, label}")]
     """Precision, recall, FPR, recall at 1% FPR, ROC AUC and throughput per label."""
     import time
 
-    from gate import Gate
     from gate.evaluate import load_rows, report, scan_rows
 
     s = _settings()
@@ -293,7 +291,7 @@ def gate_eval(data: Annotated[Path, typer.Option(help="JSONL of {text, label}")]
 
         model_dir = prepare_model(s.model, cache_dir=s.resolved("model_cache_dir", "models"), progress=True)
     started = time.perf_counter()
-    scores, nbytes = scan_rows(rows, Gate(gitleaks_config=s.gitleaks_config))
+    scores, nbytes = scan_rows(rows, s.gate())
     cached = False
     if probe:
         from gate import InjectionProbe

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+if TYPE_CHECKING:
+    from gate import Gate
 
 
 def _config_file() -> Path | None:
@@ -63,6 +66,9 @@ class Settings(BaseSettings):
 
     # gate
     gitleaks_config: Path | None = None
+    gate_cache_dir: str | None = Field(default=None, description="compiled rule databases, shared by processes; "
+                                       "default $XDG_CACHE_HOME/lethe/gate (~/.cache/lethe/gate); 'off': compile "
+                                       "in every process (see gate/dbcache.py)")
     probe: bool = Field(default=True, description="score staged tool results with the hidden-state probe; false = "
                         "the byte gate alone, chosen explicitly (an enabled probe trained on another model is refused)")
     probe_path: Path | None = Field(default=None, description="probe weights (.npz); default gate/weights/probe.npz, "
@@ -142,3 +148,9 @@ class Settings(BaseSettings):
     @property
     def audit_db_url(self) -> str:
         return self.audit_database_url or self.db_url
+
+    def gate(self) -> Gate:
+        """The gate these settings describe (extra gitleaks rules, the compiled-database cache)."""
+        from gate import Gate, compile_cache
+
+        return Gate(gitleaks_config=self.gitleaks_config, cache=compile_cache(self.gate_cache_dir))

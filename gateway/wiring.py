@@ -92,7 +92,7 @@ def build_state(settings: Settings) -> AppState:
                        batch_size=settings.audit_batch_size),
         policy=PolicyEngine(settings.policy_dir, backend=settings.policy_backend, opa_url=settings.opa_url,
                             timeout_s=settings.opa_timeout_s, retries=settings.opa_retries),
-        gate=Gate(gitleaks_config=settings.gitleaks_config),
+        gate=settings.gate(),
         turns=ThreadPoolExecutor(max_workers=settings.max_inflight, thread_name_prefix="turn"),
     )
 

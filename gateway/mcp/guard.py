@@ -181,9 +181,17 @@ def _json_pieces(value: Any) -> Iterator[tuple[str, str, str]]:
             else:
                 yield _dump(str(k)), "", str(k)
                 yield from _json_pieces(v)
+    elif _numbers(value):  # one part: a token sent as its byte values reads as bytes (red team 16)
+        yield _dump(value), "", ""
     elif isinstance(value, list):
         for v in value:
             yield from _json_pieces(v)
+
+
+def _numbers(value: Any) -> bool:
+    """A list of two or more numbers (no booleans): read as one part, its JSON text."""
+    return isinstance(value, list) and len(value) > 1 and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
 
 
 def _json_parts(value: Any) -> list[str]:
@@ -236,6 +244,9 @@ def _rebuild(value: Any, texts: Iterator[str]) -> Any:
                 key = _parsed(next(texts), None)
                 out[key if isinstance(key, str) else f"[REDACTED:{n}]"] = _rebuild(v, texts)
         return out
+    if _numbers(value):
+        got = _parsed(next(texts), None)
+        return got if _numbers(got) and len(got) == len(value) else "[REDACTED]"
     if isinstance(value, list):
         return [_rebuild(v, texts) for v in value]
     return value
@@ -268,11 +279,17 @@ def _field_strings(value: Any, path: tuple[str | int, ...] = ()) -> Iterator[tup
         yield path, value
     elif isinstance(value, dict):
         for k, v in value.items():
-            if k not in _OPAQUE:
+            if k not in _OPAQUE and not (k == "audience" and _roles(v)):
                 yield from _field_strings(v, (*path, k))
     elif isinstance(value, list):
         for i, v in enumerate(value):
             yield from _field_strings(v, (*path, i))
+
+
+def _roles(value: Any) -> bool:
+    """An annotation's audience: MCP roles only, which are no text (read, `hi` + `assistant` was
+    `hi assistant`, an address to the model: red team 16's false positive)."""
+    return isinstance(value, list) and all(v in ("user", "assistant") for v in value)
 
 
 def _dumped(block: Any) -> dict[str, Any]:
@@ -421,7 +438,10 @@ class Document:
         blocks and values alone (a key between a text block and a value breaks the phrase); a
         finding that crosses a string's end covers its parts whole. Three scans more: linear."""
         stream, values = _distinct(self.raw_strings()), _distinct(self.raw_strings(with_keys=False))
-        found = self._joined_injection(gate, stream) + self._joined_injection(gate, stream[::-1]) if len(stream) > 1 else []
+        backwards = stream[::-1]
+        found = self._joined_injection(gate, stream) if len(stream) > 1 else []
+        if len(stream) > 1 and [raw for _, raw in backwards] != [raw for _, raw in stream]:  # else the same bytes again
+            found += self._joined_injection(gate, backwards)
         return found + (self._joined_injection(gate, values) if 1 < len(values) < len(stream) else [])
 
     def _joined_injection(self, gate: Gate, stream: list[tuple[int, bytes]]) -> list[Finding]:

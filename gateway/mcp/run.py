@@ -4,7 +4,6 @@ from __future__ import annotations
 import anyio
 
 from audit import AuditError, AuditLog
-from gate import Gate
 from ledger import Ledger
 from policies import PolicyEngine
 
@@ -35,7 +34,7 @@ def build(settings: Settings, upstream_flags: list[str] | None = None,
         raise SystemExit(f"lethe mcp: {exc}") from None
     policy = PolicyEngine(s.policy_dir, backend=s.policy_backend, opa_url=s.opa_url, timeout_s=s.opa_timeout_s,
                           retries=s.opa_retries)
-    guard = Guard(Gate(gitleaks_config=s.gitleaks_config), policy, ledger, audit, mcp.max_result_bytes,
+    guard = Guard(s.gate(), policy, ledger, audit, mcp.max_result_bytes,
                   writer_link(s, ledger, audit) if writer_process else None)
     return Proxy(mcp, guard, ledger), TenantStore.from_url(s.db_url, s.admin_key, cache_s=KEY_CACHE_S)
 
