@@ -19,7 +19,7 @@ from .learned import WEIGHTS_PATH, NgramScorer
 from .dbcache import CompileCache
 from .engine import require_hyperscan
 from .errors import GateError
-from .unwrap import readings, text_readings
+from .unwrap import readings, text_readings, word_readings
 from .secrets import Allowlist, SecretRule, SecretScanner, load_gitleaks, load_rules
 
 log = structlog.get_logger(__name__)
@@ -102,10 +102,12 @@ class Gate:
         at the raw spans they came from. Rules only: the learned window and its calibration stay
         as trained, on the text as it arrived."""
         out: list[Finding] = []
-        for unwrapped in text_readings(doc.clean):
+        escaped = [(r, True) for r in text_readings(doc.clean)]
+        for unwrapped, detectors in escaped + [(r, False) for r in word_readings(doc.clean)]:
             inner = _decoded(unwrapped.data)
-            for f in self.heuristics.scan(inner, detection_view(inner), lambda b0, b1: ""):
-                if f.kind == "injection" and f.layer != "learned" and f.byte_end > f.byte_start:
+            for f in self.heuristics.scan(inner, detection_view(inner), lambda b0, b1: "", learned=False,
+                                          detectors=detectors):
+                if f.kind == "injection" and f.byte_end > f.byte_start:
                     s, e = unwrapped.raw_span(f.byte_start, f.byte_end)
                     out.append(replace(f, byte_start=s, byte_end=e, excerpt=_excerpt(doc, s, e, spans)))
         return out

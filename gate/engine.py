@@ -149,14 +149,28 @@ class MultiMatcher:
         """Ids of the patterns that may match ``data`` (one Hyperscan pass over all of them)."""
         return sorted(self._ends(data))
 
-    def _ends(self, data: bytes) -> dict[int, list[int]]:
-        """Pattern id -> Hyperscan match end offsets (every end for windowed patterns, else one)."""
+    def ends(self, data: bytes, limit: int) -> dict[int, list[int]] | None:
+        """`_ends`, or None once more than `limit` ends were reported (the caller then reads the
+        whole text: a callback a report would cost more than the windows save)."""
+        try:
+            return self._ends(data, limit)
+        except hyperscan.ScanTerminated:
+            return None
+
+    def _ends(self, data: bytes, limit: int = 0) -> dict[int, list[int]]:
+        """Pattern id -> Hyperscan match end offsets (every end for windowed patterns, else one);
+        `limit` > 0 stops the scan (ScanTerminated) past that many reports."""
         if self._db is None:  # no patterns
             return {}
         hits: dict[int, list[int]] = {}
-        n = len(data)
-        self._db.scan(data + PAD, match_event_handler=lambda ident, _start, end, *_: hits.setdefault(ident, []).append(min(end, n)),
-                      scratch=self._scratch())
+        n, seen = len(data), [0]
+
+        def on_match(ident: int, _start: int, end: int, *_: object) -> bool:
+            hits.setdefault(ident, []).append(min(end, n))
+            seen[0] += 1
+            return 0 < limit < seen[0]
+
+        self._db.scan(data + PAD, match_event_handler=on_match, scratch=self._scratch())
         return hits
 
     def scan(self, data: bytes, text: str | None = None) -> list[tuple[int, re.Match]]:

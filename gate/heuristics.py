@@ -108,11 +108,19 @@ class HeuristicScanner:
     # raw text or the view, and a second pass of theirs would find the same regions again.
     _ON_ALT = frozenset({"learned-window"})
 
-    def scan(self, doc: Decoded, view: View, excerpt: Excerpt) -> list[Finding]:
+    def scan(self, doc: Decoded, view: View, excerpt: Excerpt, *, learned: bool = True,
+             detectors: bool = True) -> list[Finding]:
+        """Every rule's and detector's findings; `learned=False`: without the learned window (a
+        reading of the text: its score is calibrated on text as it arrives); `detectors=False`:
+        the phrase rules alone."""
         findings: list[Finding] = []
         triggered = set(self.matcher.triggered(view.clean))
         if view.changed:
             triggered |= {i for i in self.matcher.triggered(doc.clean) if self.rules[i].id in self._ON_RAW}
+        if not learned:
+            triggered = {i for i in triggered if self.rules[i].id not in self._ON_ALT}
+        if not detectors:
+            triggered = {i for i in triggered if self.rules[i].regex}
         for ident in sorted(triggered):
             rule = self.rules[ident]
             if rule.regex:
@@ -122,17 +130,17 @@ class HeuristicScanner:
                 findings.extend(getattr(self, "_" + rule.id.replace("-", "_"))(source, rule, excerpt))
         if view.alt is not None:
             seen = set(findings)
-            findings.extend(f for f in self._scan_alt(view.alt, excerpt) if f not in seen)
+            findings.extend(f for f in self._scan_alt(view.alt, excerpt, learned) if f not in seen)
         return findings
 
-    def _scan_alt(self, alt: View, excerpt: Excerpt) -> Iterator[Finding]:
+    def _scan_alt(self, alt: View, excerpt: Excerpt, learned: bool) -> Iterator[Finding]:
         """The phrase rules and the learned window on the second reading, where the evasions that
         one reading undoes (marks on every letter, a separator between every letter) read plainly."""
         for ident in sorted(set(self.matcher.triggered(alt.clean))):
             rule = self.rules[ident]
             if rule.regex:
                 yield from self._phrase_findings(ident, alt, excerpt)
-            elif rule.id in self._ON_ALT:
+            elif learned and rule.id in self._ON_ALT:
                 yield from getattr(self, "_" + rule.id.replace("-", "_"))(alt, rule, excerpt)
 
     def _phrase_findings(self, ident: int, view: View, excerpt: Excerpt) -> Iterator[Finding]:

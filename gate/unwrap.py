@@ -17,10 +17,11 @@ base32 runs decoded where they decode to text, and a token spelled out a charact
 (`A K I A ...`) read joined; with HTML tags and ANSI escapes removed, pieces of a string joined as
 a program or a shell joins them, a token cut into labels of one length joined, numbers read as the
 bytes they spell, a hex dump read as its bytes, and a CSV column that names a secret read as
-assigned (red team 16). `text_readings` adds, for the injection rules, the text without markup,
-without Markdown emphasis, and with an identifier's joiners, CamelCase and spaced-out letters read
-as words. Each reading's regex is screened by Hyperscan first (`_screen`): a document with no run
-for it costs one automaton pass, not a Python `re` pass. Each byte of a reading knows the raw span it came from, so a finding reports the raw
+assigned (red team 16). `word_readings` gives, for the injection phrase rules, the text without
+markup, without Markdown emphasis, and with an identifier's joiners, CamelCase and spaced-out
+letters read as words. Each reading's regex is screened by Hyperscan first (`_screen`): a document
+with no run for it costs one automaton pass, not a Python `re` pass, and a bounded pattern's `re`
+reads only the windows where the screen says a match may end (`matches`). Each byte of a reading knows the raw span it came from, so a finding reports the raw
 span (a whole base64 run when the secret was inside one: that run is what a redaction must cut).
 Linear in the input: one regex pass and one decode per run per level, a fixed number of levels.
 """
@@ -35,6 +36,8 @@ import urllib.parse
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+
+import re._parser as sre_parse
 
 import numpy as np
 
@@ -104,6 +107,10 @@ _BYTE_LIST = re.compile(rb"(?<![\w.])(?:(?:0[xX][0-9a-fA-F]{1,2}|[0-9]{1,3})(?:[
 _DUMP_LINE = rb"[0-9a-fA-F]{6,8}:? {1,2}[0-9a-fA-F]{2}[^\n]{0,120}"
 _HEXDUMP = re.compile(rb"(?:^|(?<=\n))(?:" + _DUMP_LINE + rb"\n)+" + _DUMP_LINE)
 _HEXDUMP_LINE = re.compile(rb"[0-9a-fA-F]{6,8}:?((?: {1,2}[0-9a-fA-F]{4}| {1,2}[0-9a-fA-F]{2}(?![0-9a-fA-F])){1,16})")
+# Its screen: the same groups with the separator matched by its class, not a backreference
+_GROUP = rb"[A-Za-z0-9+/=_]"
+_GROUPED_SCREEN = _GROUP + rb"{2}[ \-](?:" + _GROUP + rb"{2}[ \-]){5,}" + _GROUP + rb"{2}(?:[ \-]" + _GROUP + rb")?|" \
+    + _GROUP + rb"{4}[ \-](?:" + _GROUP + rb"{4}[ \-]){2,}" + _GROUP + rb"{4}(?:[ \-]" + _GROUP + rb"{1,3})?"
 # gzip or zlib inside base64 or hex is inflated to a budget for the whole document, 4 x its size
 # and at least 64 KB: a bomb stops there, and the readings stay linear
 INFLATE_RATIO, MIN_INFLATE = 4, 1 << 16
@@ -141,19 +148,28 @@ class Reading:
 Replace = Callable[[re.Match[bytes]], bytes | None]  # a match's replacement; None: keep it
 
 
+# A reading's `re` pass reads only windows before its screen's match ends when its matches are
+# bounded (`_screen`): a 256 KB result with one short run for it costs one window, not the text.
+MAX_WIDTH, MARGIN, MAX_ENDS = 1 << 15, 16, 4096
+
+
 @functools.cache
 def _screen(pattern: re.Pattern[bytes]) -> MultiMatcher | None:
     """A Hyperscan screen for `pattern` (exact where Hyperscan can compile it, else in prefilter
-    mode, a superset: backreferences, lookarounds): one automaton pass tells whether `re` could
-    match at all, so a reading the document has no run for costs microseconds, not `re`'s
-    milliseconds per 5 KB (most documents hold no base64, hex, base32 or spelled-out run). Only
-    plain and case-insensitive patterns are screened; `test_unwrap` holds each screen to be a
-    superset of its pattern over the red-team and worst-case corpora."""
+    mode, a superset: backreferences, lookarounds; or the explicit superset given below): one
+    automaton pass tells whether `re` could match at all, and where its matches could end, so a
+    reading the document has no run for costs microseconds, not `re`'s milliseconds per 5 KB (most
+    documents hold no base64, hex, base32 or spelled-out run). A pattern whose matches are at most
+    `MAX_WIDTH` bytes is screened with every end reported (`window`). Only plain and
+    case-insensitive patterns are screened; `test_unwrap` holds each screen to be a superset of
+    its pattern, and the windowed reading equal to the whole-text one, with Hypothesis."""
     if pattern.flags & ~(re.IGNORECASE | re.ASCII):
         return None
-    regex = {id(_SPACED): _SPACED_SCREEN, id(_LABELS): _LABELS_SCREEN, id(_EMPHASIS): _EMPHASIS_SCREEN}.get(
-        id(pattern), pattern.pattern)
-    return MultiMatcher([Pattern(0, regex.decode("utf-8"), caseless=bool(pattern.flags & re.IGNORECASE))])
+    regex = {id(_SPACED): _SPACED_SCREEN, id(_GROUPED): _GROUPED_SCREEN, id(_LABELS): _LABELS_SCREEN,
+             id(_EMPHASIS): _EMPHASIS_SCREEN}.get(id(pattern), pattern.pattern)
+    widest = sre_parse.parse(pattern.pattern).getwidth()[1]
+    window = widest + 2 * MARGIN if widest <= MAX_WIDTH else 0
+    return MultiMatcher([Pattern(0, regex.decode("utf-8"), caseless=bool(pattern.flags & re.IGNORECASE), window=window)])
 
 
 def may_match(pattern: re.Pattern[bytes], data: bytes) -> bool:
@@ -162,12 +178,39 @@ def may_match(pattern: re.Pattern[bytes], data: bytes) -> bool:
     return screen is None or bool(screen.triggered(data))
 
 
+def matches(pattern: re.Pattern[bytes], data: bytes) -> Iterator[re.Match[bytes]]:
+    """`pattern.finditer(data)`, reading only the windows where its screen says a match may end
+    (each match lies within its end's window: the window is the pattern's widest match and a
+    margin for the screen's context and the lookarounds); the whole text when the screen cannot
+    bound it or reports more than `MAX_ENDS` ends."""
+    screen = _screen(pattern)
+    if screen is None:
+        return pattern.finditer(data)
+    window = screen.patterns[0].window
+    ends = screen.ends(data, MAX_ENDS) if window else ({0: [0]} if screen.triggered(data) else {})
+    if ends is None or (window == 0 and ends):
+        return pattern.finditer(data)
+    n = len(data)
+    spans = _merged((max(0, e - window), min(n, e + MARGIN)) for e in ends.get(0, ()))
+    # A window's end reads as the text's end to `$`: a match that ends there is one only at the
+    # real end (a real match ends well before its window's end: the margin is past its screen's end)
+    return (m for lo, hi in spans for m in pattern.finditer(data, lo, hi) if hi == n or m.end() < hi)
+
+
+def _merged(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(spans):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
 def _rewrite(reading: Reading, pattern: re.Pattern[bytes], replace: Replace) -> Reading | None:
     """`reading` with each match of `pattern` replaced (each byte of a replacement comes from the
     whole match); None when nothing was replaced."""
-    if not may_match(pattern, reading.data):
-        return None
-    edits = ((m.start(), m.end(), replace(m)) for m in pattern.finditer(reading.data))
+    edits = ((m.start(), m.end(), replace(m)) for m in matches(pattern, reading.data))
     return _edited(reading, ((s, e, out) for s, e, out in edits if out is not None))
 
 
@@ -362,6 +405,17 @@ def _labels(tail: bool, m: re.Match[bytes]) -> bytes | None:
     return sep.join(parts[:lo] + [joined] + parts[hi:])
 
 
+def _relabelled(reading: Reading) -> list[Reading]:
+    """The labels read joined, without and with a shorter last label (one pass of the pattern)."""
+    found = list(matches(_LABELS, reading.data))
+    out = []
+    for tail in (False, True):
+        edits = ((m.start(), m.end(), _labels(tail, m)) for m in found)
+        joined = _edited(reading, ((s, e, b) for s, e, b in edits if b is not None))
+        out += [joined] if joined is not None else []
+    return out
+
+
 def _bytes_of(m: re.Match[bytes]) -> bytes | None:
     """The numbers as bytes, when every one is printable ASCII (a list of measurements is not text)."""
     values = [int(v, 16) if v[:2].lower() == b"0x" else int(v) for v in re.findall(rb"0[xX][0-9a-fA-F]{1,2}|[0-9]{1,3}", m.group())]
@@ -527,13 +581,21 @@ def _text(data: bytes) -> tuple[Reading, list[Reading]]:
 def text_readings(data: bytes) -> list[Reading]:
     """What a reader sees of escaped text, for the injection rules: an instruction in HTML
     character references, percent-escapes or `\\u` escapes reads as the page, the URL or the JSON
-    value shows it (red team 14)."""
+    value shows it (red team 14); words joined by + in a form-encoded query."""
     base, text = _text(data)
     return text + _levels(base, _PLUS, lambda m: urllib.parse.unquote_to_bytes(m.group().replace(b"+", b" ")), 1,
-                          cue=b"+") \
-        + _levels(base, _MARKUP, _unmarked, 1) + _levels(base, _EMPHASIS, lambda m: b"", 1) \
+                          cue=b"+")
+
+
+def word_readings(data: bytes) -> list[Reading]:
+    """The text as words, for the injection phrase rules alone (red team 16): without markup,
+    without Markdown emphasis, and with an identifier's joiners, CamelCase and spaced-out letters
+    read as words. They only drop or space out characters, so they hold nothing hidden that the
+    text itself does not: the detectors of hidden content need not read them again."""
+    base = _text(data)[0]
+    return _levels(base, _MARKUP, _unmarked, 1) + _levels(base, _EMPHASIS, lambda m: b"", 1) \
         + _levels(base, _JOINED_WORDS, _words, 1) + _levels(base, _CAMEL_WORDS, _camel_words, 1) \
-        + _levels(base, _LETTER_SPACED, _letters, 1)  # a form-encoded query: words joined by +; markup; identifiers
+        + _levels(base, _LETTER_SPACED, _letters, 1)
 
 
 def readings(data: bytes) -> list[Reading]:
@@ -548,8 +610,7 @@ def readings(data: bytes) -> list[Reading]:
     unfolded = _levels(base, _FOLD, lambda m: b"", 1, cue=b"\r\n")
     unbase32 = _levels(base, _BASE32, _unbase32, 1)
     unspaced = _levels(base, _SPACED, _unspaced, 1) + _levels(base, _GROUPED, _ungrouped, 1)
-    relabelled = _levels(base, _LABELS, functools.partial(_labels, False), 1) \
-        + _levels(base, _LABELS, functools.partial(_labels, True), 1)
+    relabelled = _relabelled(base)
     rejoined = _levels(base, _MARKUP, _unmarked, 1) + _levels(base, _CONCAT, lambda m: b"", 1) \
         + _levels(base, _BYTE_LIST, _bytes_of, 1) + _levels(base, _HEXDUMP, _undumped, 1)
     return text + unhexed + decoded + wrapped + again + unfolded + unbase32 + unspaced + relabelled + rejoined \
