@@ -46,9 +46,9 @@ from .engine import MultiMatcher, Pattern
 ESCAPE_LEVELS = 3
 BASE64_LEVELS = 2  # base64 inside base64 (`.dockerconfigjson` -> `auth`), no deeper
 MIN_BASE64 = 16  # the shortest run decoded: 12 bytes, room for `user:password` and most tokens
-_ESCAPE = re.compile(rb'\\(?:u[0-9a-fA-F]{4}|x[0-9a-fA-F]{2}|[0-3][0-7]{2}|[nrtbf"\'\\/])')  # JSON's, C's \x and octal
+_ESCAPE = re.compile(rb'\\(?:u[0-9a-fA-F]{4}|x[0-9a-fA-F]{2}|[0-3][0-7]{2}|[nrtbf"\'\\/_*`#])')  # JSON's, C's \x and octal, Markdown's
 _SIMPLE = {b"n": b"\n", b"r": b"\r", b"t": b"\t", b"b": b"\b", b"f": b"\f", b'"': b'"', b"'": b"'", b"\\": b"\\",
-           b"/": b"/"}
+           b"/": b"/", b"_": b"_", b"*": b"*", b"`": b"`", b"#": b"#"}
 _PERCENT = re.compile(rb"(?:%[0-9A-Fa-f]{2})+")
 _ENTITIES = re.compile(rb"(?:&(?:#[0-9]{1,7}|#[xX][0-9A-Fa-f]{1,6}|[A-Za-z]{2,8});)+")  # HTML/XML character references
 _HEX = re.compile(rb"(?<![0-9A-Fa-f])(?:[0-9A-Fa-f]{2}){16,}(?![0-9A-Fa-f])")  # 16 bytes or more
@@ -87,8 +87,8 @@ _EMPHASIS_SCREEN = rb"(?:^|[\s(\[\"'])[*_`~]{1,3}[^\s*_`~]|[^\s*_`~][*_`~]{1,3}[
 # Words an identifier or a path joins (`ignore_all_previous_instructions`, `Ignore-All-...`,
 # `IgnoreAllPreviousInstructions`, `D i s r e g a r d   a l l`), read as words by the injection
 # rules (a tool's schema property named so is read by the model as a sentence)
-_JOINED_WORDS = re.compile(rb"(?<![A-Za-z0-9_\-.,|/:])[A-Za-z]{1,32}(?:[_\-.,|/:][A-Za-z]{1,32}){3,64}(?![A-Za-z0-9])")
-_CAMEL_WORDS = re.compile(rb"(?<![A-Za-z0-9])[A-Z]?[a-z]{1,32}(?:[A-Z][a-z]{1,32}){3,64}(?![A-Za-z0-9])")
+_JOINED_WORDS = re.compile(rb"(?<![A-Za-z0-9_\-.,|/:])[A-Za-z]{1,32}(?:[_\-.,|/:][A-Za-z]{1,32}){2,64}(?![A-Za-z0-9])")
+_CAMEL_WORDS = re.compile(rb"(?<![A-Za-z0-9])[A-Z]?[a-z]{1,32}(?:[A-Z][a-z]{1,32}){2,64}(?![A-Za-z0-9])")
 _LETTER_SPACED = re.compile(rb"(?<![!-~])[A-Za-z](?: [A-Za-z]){2,32}(?:(?:   | \| | / )[A-Za-z](?: [A-Za-z]){0,32}){1,32}(?![!-~])")
 # Pieces of one string a program or a shell joins: `"ab" + "cd"` (Java, JS), `"ab"\n "cd"` (Python,
 # C), `'ab' . 'cd'` (PHP), `'ab' || 'cd'` (SQL), a shell's `\` line continuation
@@ -270,8 +270,13 @@ def _unpercent(m: re.Match[bytes]) -> bytes | None:
     return raw
 
 
+_INVISIBLE = dict.fromkeys(map(ord, "\u00ad\u200b\u200c\u200d\u2060\ufeff"))  # soft hyphen, zero-width, BOM
+
+
 def _unentity(m: re.Match[bytes]) -> bytes | None:
-    out = html.unescape(m.group().decode("ascii")).encode("utf-8", "surrogatepass")
+    """The references decoded; those of invisible characters (`&shy;`, `&#8203;`) to nothing, as a
+    browser shows them (red team 16b: a token split by them read as two)."""
+    out = html.unescape(m.group().decode("ascii")).translate(_INVISIBLE).encode("utf-8", "surrogatepass")
     return None if out == m.group() else out
 
 
