@@ -10,6 +10,7 @@ and capture groups, which is cheap because real matches are rare in tool results
 from __future__ import annotations
 
 import importlib.metadata
+from collections.abc import Iterable
 import re
 import threading
 from dataclasses import dataclass
@@ -188,7 +189,7 @@ class MultiMatcher:
                 out.extend((ident, m) for m in rx.finditer(target))
                 continue
             seen: set[tuple[int, int]] = set()
-            for lo, hi in _merge((max(0, e - p.window), e) for e in ends):
+            for lo, hi in merge_spans((max(0, e - p.window), e) for e in ends):
                 for m in rx.finditer(data, lo, hi):
                     if m.span() not in seen:
                         seen.add(m.span())
@@ -196,7 +197,8 @@ class MultiMatcher:
         return out
 
 
-def _merge(spans) -> list[tuple[int, int]]:
+def merge_spans(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Overlapping or touching [lo, hi) spans merged, in order (the windows a confirmation reads)."""
     merged: list[list[int]] = []
     for lo, hi in sorted(spans):
         if merged and lo <= merged[-1][1]:

@@ -25,7 +25,7 @@ from pathlib import Path
 import structlog
 
 from .dbcache import CompileCache
-from .engine import MultiMatcher, Pattern, SpanMatcher
+from .engine import MultiMatcher, Pattern, SpanMatcher, merge_spans
 from .errors import GateError
 from .findings import Finding
 
@@ -378,16 +378,6 @@ def _max_width(pattern: Pattern) -> int | None:
     return widest if widest <= MAX_WINDOW else None
 
 
-def _merge_windows(windows: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for lo, hi in sorted(windows):
-        if out and lo <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], hi))
-        else:
-            out.append((lo, hi))
-    return out
-
-
 class SecretScanner:
     """All secret rules compiled into one matcher."""
 
@@ -414,7 +404,7 @@ class SecretScanner:
                 continue
             seen: set[tuple[int, int]] = set()
             windows = ((s, e) if som else (max(0, e - width), e) for s, e in reports)  # type: ignore[operator]
-            for lo, hi in _merge_windows(windows):
+            for lo, hi in merge_spans(windows):
                 for m in rx.finditer(data, lo, hi):
                     if m.span() not in seen:
                         seen.add(m.span())

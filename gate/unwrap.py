@@ -41,7 +41,7 @@ import re._parser as sre_parse
 
 import numpy as np
 
-from .engine import MultiMatcher, Pattern
+from .engine import MultiMatcher, Pattern, merge_spans
 
 ESCAPE_LEVELS = 3
 BASE64_LEVELS = 2  # base64 inside base64 (`.dockerconfigjson` -> `auth`), no deeper
@@ -191,20 +191,10 @@ def matches(pattern: re.Pattern[bytes], data: bytes) -> Iterator[re.Match[bytes]
     if ends is None or (window == 0 and ends):
         return pattern.finditer(data)
     n = len(data)
-    spans = _merged((max(0, e - window), min(n, e + MARGIN)) for e in ends.get(0, ()))
+    spans = merge_spans((max(0, e - window), min(n, e + MARGIN)) for e in ends.get(0, ()))
     # A window's end reads as the text's end to `$`: a match that ends there is one only at the
     # real end (a real match ends well before its window's end: the margin is past its screen's end)
     return (m for lo, hi in spans for m in pattern.finditer(data, lo, hi) if hi == n or m.end() < hi)
-
-
-def _merged(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for lo, hi in sorted(spans):
-        if out and lo <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], hi))
-        else:
-            out.append((lo, hi))
-    return out
 
 
 def _rewrite(reading: Reading, pattern: re.Pattern[bytes], replace: Replace) -> Reading | None:
