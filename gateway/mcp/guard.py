@@ -52,6 +52,7 @@ from policies import Decision, PolicyEngine, tool_identity
 from ..chat import normalised_sha256
 from ..screen import Screened, apply_redact, gate_input
 from ..tenants import Principal
+from .history import History, Reading, Stream
 from .recorder import LoopRecorder, Recorder, WriterLink
 from .settings import PROMPT_GET, RESOURCE_READ, SEPARATOR
 
@@ -64,6 +65,7 @@ _REACH = 4096  # of each string beside a seam, what the argument-value glue read
 _FRAGMENT, _FRAGMENTS = 24, 5  # a short string, and how many in a row are read glued (`Document._glued_values`)
 NON_TEXT_STUB = "[{what} withheld by policy: the gate cannot read it]"
 MAX_BLOCKS = 1024  # content blocks in one result (`Guard._oversized`)
+_JOINED = frozenset({"result", "arguments"})  # the phases read joined to their stream's earlier text (history.py)
 
 
 class ScreeningError(Exception):
@@ -79,10 +81,16 @@ class Call:
     upstream: str
     tool: str  # the exported name, `<upstream>__<tool>`: set by the proxy's routing, never by the client
     spent: dict[str, float] = field(default_factory=dict)  # seconds per component, for the overhead figure
+    mcp_session: str | None = None  # the agent's MCP session (HTTP), where its calls do not link to a chat session
 
     @property
     def tenant(self) -> str:
         return self.principal.tenant or ""
+
+    @property
+    def stream(self) -> Stream:
+        """The agent context this call's text joins (history.py): one caller's chat or MCP session."""
+        return self.tenant, actor_of(self.principal), self.session_id or self.mcp_session
 
 
 @dataclass(frozen=True)
@@ -387,6 +395,15 @@ class Document:
     def sha256(self) -> str:
         return hashlib.sha256(self.data).hexdigest()
 
+    def reading(self, phase: str) -> Reading:
+        """What is joined to the text shown before (history.py): a result's text blocks, in this
+        document's offsets; else (arguments, a result of structured content alone) the strings the
+        agent or the upstream sent, joined by spaces, a finding on them covering the document whole."""
+        if phase == "result" and self.blocks:
+            return Reading(self.data[:self.spans[self.blocks - 1][1]], len(self.data), whole=False)
+        strings = _distinct(self.raw_strings(with_keys=False))
+        return Reading(b" ".join(raw for _, raw in strings), len(self.data), whole=True)
+
     def part_digests(self) -> list[str]:
         """Each content block's digest (what an agent would paste back whole); a structured
         content's strings are not listed one by one (a JSON API's hundreds of fields)."""
@@ -662,15 +679,20 @@ class Guard:
         self._definitions: dict[tuple[str, str, str], Decision] = {}
         self._definitions_lock = threading.Lock()  # one screening (and record) of a definition at a time
         self._digests: dict[int, tuple[BaseModel, str]] = {}
+        self.history = History()
 
-    def _scan(self, doc: Document, call: Call) -> GateReport:
-        """The document's report, with the secrets that only its parts glued together show."""
+    def _scan(self, doc: Document, call: Call, phase: str) -> GateReport:
+        """The document's report, with the secrets that only its parts glued together show, and (a
+        result, arguments) what it shows only joined to the text its stream was shown before."""
         started = time.perf_counter()
         try:
             report = self.gate.scan(doc.data, tool=call.tool)
-            if len(doc.spans) < 2 and len(doc.raw_strings()) < 2:  # nothing to glue: one part, one string
-                return report
-            return with_findings(report, doc.glued_secrets(self.gate) + doc.injection_across_values(self.gate))
+            if len(doc.spans) > 1 or len(doc.raw_strings()) > 1:  # else nothing to glue: one part, one string
+                report = with_findings(report, doc.glued_secrets(self.gate) + doc.injection_across_values(self.gate))
+            if phase in _JOINED:
+                report = with_findings(report, self.history.findings(self.gate, call.stream, phase,
+                                                                     doc.reading(phase), report))
+            return report
         except Exception as exc:
             raise ScreeningError(f"the gate failed ({type(exc).__name__}); nothing was passed on") from exc
         finally:
@@ -685,7 +707,7 @@ class Guard:
 
     def _decide(self, call: Call, phase: str, doc: Document) -> tuple[GateReport, Screened, list[str] | None]:
         """Scan, decide, and for a result carry out a redact; returns the redacted parts' texts too."""
-        report = self._scan(doc, call)
+        report = self._scan(doc, call, phase)
         decision = self.policy.decide(self._input(call, phase, report, doc.shown_bytes))
         if phase != "result" or decision.action != "redact":
             return report, Screened(decision), None
@@ -777,6 +799,7 @@ class Guard:
         decision = screened.decision
         body = self._body("mcp-call", call, doc, report, decision, None)
         if decision.action == "allow":
+            self.history.shown(call.stream, "arguments", doc.reading("arguments").text)
             return None, {**body, "crossing": CrossingLog.new_id()}
 
         def refusal(crossing: str) -> types.CallToolResult:
@@ -824,6 +847,10 @@ class Guard:
         else:
             report, screened, texts = self._decide(call, "result", doc)
         decision = screened.decision
+        if decision.action != "quarantine":  # a quarantined result was not shown: the tail stays as it was
+            shown_doc = doc if texts is None else replace(Document.of(texts), blocks=doc.blocks)
+            self.history.shown(call.stream, "result", shown_doc.reading("result").text if shown_doc.blocks
+                               else shown_doc.data)
         shown, non_text = _non_text(_redacted_result(result, texts) if texts is not None else result,
                                     decision.non_text)
         many = len(result.content) > MAX_BLOCKS

@@ -51,6 +51,7 @@ PAGES_SCANNED = 10  # pages of the crossings listing read to fill one page of a 
 class Caller:
     principal: Principal
     session_id: str | None
+    mcp_session: str | None = None  # the MCP session id (HTTP; the SDK binds it to its opener)
 
 
 CallerOf = Callable[[Any], Caller]  # ServerRequestContext -> Caller; raises MCPError
@@ -257,7 +258,7 @@ class Proxy:
     async def _call(self, caller: Caller, upstream: str, what: str) -> Call:
         session = None if caller.session_id is None else \
             await self._off_loop(self.linked_session, caller.principal, caller.session_id)
-        return Call(caller.principal, session, upstream, exported_name(upstream, what))
+        return Call(caller.principal, session, upstream, exported_name(upstream, what), mcp_session=caller.mcp_session)
 
     async def _screened(self, call: Call, arguments: dict[str, Any],
                         fetch: Callable[[], Awaitable[types.CallToolResult]], what: str) -> Outcome:

@@ -51,7 +51,7 @@ def _http_caller(ctx: Any) -> Caller:
     principal = scope.get(PRINCIPAL)
     if not isinstance(principal, Principal):  # the middleware always sets it; fail closed if not
         raise MCPError(types.INVALID_REQUEST, "no authenticated Lethe principal on this request")
-    return Caller(principal, scope.get(SESSION))
+    return Caller(principal, scope.get(SESSION), (getattr(request, "headers", None) or {}).get("mcp-session-id"))
 
 
 def _error(status: int, code: str, message: str) -> JSONResponse:

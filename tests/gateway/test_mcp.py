@@ -41,7 +41,7 @@ from ledger import Ledger
 HERE = Path(__file__).parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
-from mcp_upstream import CLEAN, CREDENTIALS, PAGE, POISONED  # noqa: E402
+from mcp_upstream import CLEAN, CREDENTIALS, PAGE, POISONED, SPLIT_PAGES  # noqa: E402
 
 FIXTURE, HOSTILE = HERE / "mcp_upstream.py", HERE / "mcp_hostile.py"
 PY = sys.executable
@@ -363,6 +363,48 @@ def test_a_tool_with_a_poisoned_description_is_neither_listed_nor_callable(http_
 
 
 # ---- tenancy --------------------------------------------------------------------------------------
+
+SPLIT = [(f"part{i}", "fx__page_part", {"part": i}) for i in range(4)]  # an instruction, then a key, in two fetches each
+
+
+async def _as_new_user(dep: Deployment, user: str, calls: list[tuple[str, str, dict[str, Any]]]) -> dict[str, Any]:
+    """`calls` over HTTP with a key of a user of its own: a stream no other test was shown text in."""
+    key = TenantStore.from_url(dep.db_url).create_key("acme", user=user)
+    http, client = http_client(f"http://127.0.0.1:{PROXY_PORT}/mcp", key)
+    async with http, client:
+        return await _batch(client, calls)
+
+
+@pytest.mark.parametrize("over", ["stdio", "http"])
+def test_an_instruction_and_a_key_split_over_two_results_are_read_joined(deployment: Deployment, over: str) -> None:
+    """Red team 16: each piece screened alone reached the agent whole. From one agent (its key's
+    user over HTTP, one process over stdio), the second piece of each is withheld or cut; the
+    first was shown."""
+    got = anyio.run(_as_new_user, deployment, "splitter", SPLIT) if over == "http" else \
+        anyio.run(_over_stdio, deployment, "acme", SPLIT)
+    assert got["part0"].texts == [SPLIT_PAGES[0]] and got["part2"].texts == [SPLIT_PAGES[2]]
+    assert got["part1"].result is not None and got["part1"].result.is_error
+    assert "PWNED" not in got["part1"].texts[0] and "prompt-injection" in got["part1"].texts[0]
+    assert got["part3"].texts == [SPLIT_PAGES[3].replace("FEBZSDOXRL", "[REDACTED:aws_access_key_id]")]
+
+
+def test_results_join_within_an_mcp_session_not_across_sessions(deployment: Deployment) -> None:
+    """A client of the handshake protocol names its MCP session (bound by the SDK to the key that
+    opened it): two sessions of one key are two agents, and one's pages never join the other's."""
+    url = f"http://127.0.0.1:{PROXY_PORT}/mcp"
+    first, second = _opened(deployment, "first"), _opened(deployment, "second")
+
+    def page(session: dict[str, str], part: int) -> dict[str, Any]:
+        call = {"jsonrpc": "2.0", "id": part + 10, "method": "tools/call",
+                "params": {"name": "fx__page_part", "arguments": {"part": part}}}
+        reply = httpx.post(url, headers=session, json=call, timeout=60)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["result"]
+    assert page(first, 0)["content"][0]["text"] == SPLIT_PAGES[0]
+    assert page(second, 1)["content"][0]["text"] == SPLIT_PAGES[1]  # another session: not joined
+    joined = page(first, 1)
+    assert joined["isError"] and "prompt-injection" in joined["content"][0]["text"]
+
 
 def test_http_needs_a_tenant_key(deployment: Deployment) -> None:
     url = f"http://127.0.0.1:{PROXY_PORT}/mcp"

@@ -7,6 +7,8 @@ test_mcp_faults.py)."""
 from __future__ import annotations
 
 import sys
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -25,7 +27,15 @@ sys.path.insert(0, str(HERE))
 from mcp_upstream import CREDENTIALS  # noqa: E402
 
 KEY_ID, SECRET = "AKIAPTGZ6JFEBZSDOXRL", "nHBdHIyvNLVlRXFwF8JlMaLNy02K35uDNHfkf7J8"
-ACME = Caller(Principal("acme", "agent"), None)
+
+
+def _acme() -> Caller:
+    """The agent, in an MCP session of its own each time (no case reads another's text: history.py)."""
+    return Caller(Principal("acme", "agent"), None, uuid.uuid4().hex)
+
+
+def _serves(caller: Caller) -> Callable[[object], Caller]:
+    return lambda _ctx: caller
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +52,7 @@ def proxy(tmp_path_factory: pytest.TempPathFactory) -> Proxy:
 
 def _pieces(proxy: Proxy, cuts: list[int]) -> list[str]:
     async def go() -> list[str]:
-        async with proxy.running(), Client(proxy.server(lambda _ctx: ACME)) as client:
+        async with proxy.running(), Client(proxy.server(_serves(_acme()))) as client:
             result = await client.call_tool("fx__credentials_in_pieces", {"cuts": cuts})
         return [block.text for block in result.content]
     return anyio.run(go)
@@ -68,7 +78,7 @@ def test_every_block_holding_a_fragment_of_a_split_secret_is_redacted(proxy: Pro
 
 def _call(proxy: Proxy, name: str, arguments: dict[str, object]) -> tuple[bool, str]:
     async def go() -> tuple[bool, str]:
-        async with proxy.running(), Client(proxy.server(lambda _ctx: ACME)) as client:
+        async with proxy.running(), Client(proxy.server(_serves(_acme()))) as client:
             result = await client.call_tool(name, arguments)
         return result.is_error, "\n".join(getattr(b, "text", "") for b in result.content)
     return anyio.run(go)
