@@ -13,12 +13,15 @@ strings the agent sent: a key's second half sent in a later call is refused.
 
 A stream is the tenant, the caller (`tenant:user`) and the chat session its calls link to, else
 the MCP session (HTTP) or the process (stdio): never two callers' text joined. Each phase keeps
-at most `JOIN_WINDOW` bytes a stream, and at most `MAX_STREAMS` streams are kept (the least
-recently used dropped). Cost: at most two scans of `JOIN_WINDOW + HEAD` bytes a document.
-What is not joined: text more than `JOIN_WINDOW` bytes before the seam or `HEAD` bytes after it
-(a long PEM key cut in its middle is found only where a part holds a whole match), and text the
-proxy did not let through (a refused call's arguments, a quarantined result: a stub stood there),
-and text shown before the proxy last started (the tails are kept in memory only).
+at most `TAIL` bytes a stream, and at most `MAX_STREAMS` streams are kept (the least recently
+used dropped). Cost: at most two scans of `TAIL + HEAD` bytes a document (three for arguments),
+where a scan's fixed cost dominates (with the chat endpoint's 1 KB window and a 2 KB head, the
+joined scans cost ~4 ms of CPU a call in `lethe bench mcp`'s in-process loop). A split phrase or
+key sits within a few dozen bytes of the seam. What is not joined: text more than `TAIL` bytes
+before the seam or `HEAD` bytes after it (a long PEM key cut in its middle is found only where a
+part holds a whole match); text the proxy did not let through (a refused call's arguments, a
+quarantined result: a stub stood there); and text shown before the proxy last started (the tails
+are kept in memory only).
 """
 from __future__ import annotations
 
@@ -27,9 +30,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 from gate import Finding, Gate, GateReport
-from gate.joined import JOIN_WINDOW, scan_joined
+from gate.joined import scan_joined
 
-HEAD = 2048  # bytes of a new document joined to the tail
+TAIL = 512  # bytes of what a stream was shown that a new document is joined to
+HEAD = 512  # bytes of a new document joined to the tail
+NEAR = 64  # a finding the seam made must start within this many bytes after it (0: it crosses it)
 MAX_STREAMS = 4096
 _SPACE = b" \t\r\n"
 
@@ -64,7 +69,7 @@ def _cut(text: bytes, limit: int) -> bytes:
 
 
 def _tail(text: bytes) -> bytes:
-    start = max(0, len(text) - JOIN_WINDOW)
+    start = max(0, len(text) - TAIL)
     while start < len(text) and text[start] & 0xC0 == 0x80:
         start += 1
     return text[start:]
@@ -77,15 +82,29 @@ def across(gate: Gate, tail: bytes, reading: Reading, own: GateReport) -> list[F
     (a to-do list's "do not forget the keys!" before the next list): on the project's benign sets
     it changed the verdict of 36 of 1,408 consecutive pairs, while a split instruction is a phrase
     the rules read whole. A finding reaching the end of a head cut short is left out: its match
-    may be the cut's, not the text's."""
+    may be the cut's, not the text's; so is one that starts further than `NEAR` bytes past the seam
+(a key whose label is in the tail starts at the seam: a CSV after a JSON result read as a
+pgpass line 146 bytes in, the one changed verdict of 4,839 benign pairs)."""
     head = _cut(reading.text, HEAD)
     if not tail or not head:
         return []
     cut_short = len(head) < len(reading.text)
-    joined = scan_joined(gate, [tail, head], own=[own, own if not reading.whole else gate.scan(head)])[1]
-    known = set(own.findings)
+    joined = scan_joined(gate, [tail, head], window=TAIL, own=[own, own if not reading.whole else _secrets(gate, head)])[1]
+    known = {(f.rule_id, f.byte_start, f.byte_end) for f in own.findings}
     return [reading.place(f) for f in joined.findings
-            if f not in known and f.layer != "learned" and not (cut_short and f.byte_end >= len(head))]
+            if (f.rule_id, f.byte_start, f.byte_end) not in known and f.layer != "learned" and f.byte_start <= NEAR
+            and not (cut_short and f.byte_end >= len(head))]
+
+
+def _secrets(gate: Gate, head: bytes) -> GateReport:
+    """The head's own report where it is not the document's bytes (the raw strings of arguments),
+    secrets alone: `scan_joined` needs the head's own findings only to tell a secret its label in
+    the tail made (kept) from one the head holds alone, and to tell an injection match that merely
+    reached back into the tail; such a match is in the document's own report already, which
+    decides on it anyway. A third of the full scan's cost."""
+    found = tuple(gate.scan_secrets(head))
+    return GateReport(injection=0.0, secret=max((f.score for f in found), default=0.0), findings=found,
+                      bytes_scanned=len(head), elapsed_us=0)
 
 
 class History:
@@ -103,7 +122,7 @@ class History:
 
     def shown(self, stream: Stream, phase: str, text: bytes) -> None:
         """`text` went through to the agent (a result) or the upstream (arguments): the stream's
-        tail is now the last `JOIN_WINDOW` bytes of everything so shown."""
+        tail is now the last `TAIL` bytes of everything so shown."""
         if not text:
             return
         with self._lock:

@@ -11,9 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gate.joined import JOIN_WINDOW
 from gateway.mcp.guard import Call, Document, Guard
-from gateway.mcp.history import HEAD, History, _cut
+from gateway.mcp.history import HEAD, TAIL, History, _cut
 from gateway.tenants import Principal
 
 from tests.gateway.guarded import call, new_guard, screened
@@ -121,11 +120,11 @@ def test_the_history_keeps_a_bounded_tail_of_a_bounded_number_of_streams() -> No
     history = History(max_streams=3)
     streams = [("acme", "acme:ann", f"s{i}") for i in range(5)]
     for s in streams:
-        history.shown(s, "result", "é".encode() * JOIN_WINDOW)
+        history.shown(s, "result", "é".encode() * TAIL)
     assert [history.tail(s, "result") for s in streams[:2]] == [b"", b""]  # the least recently used went
     for s in streams[2:]:
         tail = history.tail(s, "result")
-        assert 0 < len(tail) <= JOIN_WINDOW and tail.decode("utf-8") == "é" * (len(tail) // 2)
+        assert 0 < len(tail) <= TAIL and tail.decode("utf-8") == "é" * (len(tail) // 2)
 
 
 @settings(max_examples=200, deadline=None)
