@@ -65,6 +65,7 @@ _REACH = 4096  # of each string beside a seam, what the argument-value glue read
 _FRAGMENT, _FRAGMENTS = 24, 5  # a short string, and how many in a row are read glued (`Document._glued_values`)
 NON_TEXT_STUB = "[{what} withheld by policy: the gate cannot read it]"
 MAX_BLOCKS = 1024  # content blocks in one result (`Guard._oversized`)
+_JOINED_STRINGS = 8  # argument strings each read joined to the text shown before (`Document.readings`)
 _JOINED = frozenset({"result", "arguments"})  # the phases read joined to their stream's earlier text (history.py)
 
 
@@ -404,6 +405,17 @@ class Document:
         strings = _distinct(self.raw_strings(with_keys=False))
         return Reading(b" ".join(raw for _, raw in strings), len(self.data), whole=True)
 
+    def readings(self, phase: str) -> list[Reading]:
+        """What is scanned joined to the text shown before: `reading`, and for arguments each of
+        the first `_JOINED_STRINGS` strings alone too (a key's second half in the second argument,
+        after a harmless first: red team 17)."""
+        whole = self.reading(phase)
+        if phase != "arguments":
+            return [whole]
+        strings = [raw for _, raw in _distinct(self.raw_strings(with_keys=False))][:_JOINED_STRINGS]
+        alone = [Reading(raw, len(self.data), whole=True) for raw in strings if raw != whole.text]
+        return [whole] + alone
+
     def part_digests(self) -> list[str]:
         """Each content block's digest (what an agent would paste back whole); a structured
         content's strings are not listed one by one (a JSON API's hundreds of fields)."""
@@ -690,8 +702,8 @@ class Guard:
             if len(doc.spans) > 1 or len(doc.raw_strings()) > 1:  # else nothing to glue: one part, one string
                 report = with_findings(report, doc.glued_secrets(self.gate) + doc.injection_across_values(self.gate))
             if phase in _JOINED:
-                report = with_findings(report, self.history.findings(self.gate, call.stream, phase,
-                                                                     doc.reading(phase), report))
+                report = with_findings(report, [f for reading in doc.readings(phase) for f in
+                                                self.history.findings(self.gate, call.stream, phase, reading, report)])
             return report
         except Exception as exc:
             raise ScreeningError(f"the gate failed ({type(exc).__name__}); nothing was passed on") from exc

@@ -9,16 +9,20 @@ through, and scans each new document's head joined to it with `gate.joined.scan_
 finding that crosses the seam, or a secret whose label lies in the tail, is added to the new
 document's report, so the policy quarantines or redacts the new part: the earlier part was
 already shown, but the agent never holds the whole. A call's arguments likewise, read as the raw
-strings the agent sent: a key's second half sent in a later call is refused.
+strings the agent sent (all of them, and each alone), joined to its earlier calls' and to the
+results it was shown: a key's second half sent in a later call is refused.
 
 A stream is the tenant, the caller (`tenant:user`) and the chat session its calls link to, else
 the MCP session (HTTP) or the process (stdio): never two callers' text joined. Each phase keeps
-at most `TAIL` bytes a stream, and at most `MAX_STREAMS` streams are kept (the least recently
-used dropped). Cost: at most two scans of `TAIL + HEAD` bytes a document (three for arguments),
-where a scan's fixed cost dominates (with the chat endpoint's 1 KB window and a 2 KB head, the
-joined scans cost ~4 ms of CPU a call in `lethe bench mcp`'s in-process loop). A split phrase or
-key sits within a few dozen bytes of the seam. What is not joined: text more than `TAIL` bytes
-before the seam or `HEAD` bytes after it (a long PEM key cut in its middle is found only where a
+the last `TAIL` visible characters a stream (at most `CAP` bytes: padding of whitespace,
+zero-width or combining characters does not push a piece out), glued and spaced (`History.tails`),
+and at most `MAX_STREAMS` streams are kept (the least recently used dropped). Cost: two scans
+of at most `TAIL + HEAD` visible characters per tail and reading (a result: one reading, one or
+two tails; arguments: the strings joined and each of the first 8 alone, against the calls' and
+the results' tails), each bounded by `CAP`: linear, but a scan's fixed cost (~0.3 ms) makes
+this the larger part of the gate's time for small calls. A split phrase or key sits within a
+few dozen characters of the seam. What is not joined: text more than `TAIL` visible characters
+before the seam or `HEAD` after it (a long PEM key cut in its middle is found only where a
 part holds a whole match); text the proxy did not let through (a refused call's arguments, a
 quarantined result: a stub stood there); and text shown before the proxy last started (the tails
 are kept in memory only).
@@ -26,7 +30,9 @@ are kept in memory only).
 from __future__ import annotations
 
 import threading
+import unicodedata
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from gate import Finding, Gate, GateReport
@@ -34,9 +40,12 @@ from gate.joined import scan_joined
 
 TAIL = 512  # bytes of what a stream was shown that a new document is joined to
 HEAD = 512  # bytes of a new document joined to the tail
+_MARKS = 3  # combining marks one letter carries at most, in the scripts the phrase rules read
+CAP = 8192  # the most bytes a window may hold, whatever is invisible in it
 NEAR = 64  # a finding the seam made must start within this many bytes after it (0: it crosses it)
 MAX_STREAMS = 4096
 _SPACE = b" \t\r\n"
+_SPACES = frozenset(bytes([c]) for c in _SPACE)
 
 Stream = tuple[str, str, str | None]  # tenant, actor, chat or MCP session (None: the caller's only stream)
 
@@ -55,24 +64,47 @@ class Reading:
         return replace(f, byte_start=0, byte_end=self.size) if self.whole else f
 
 
+def _invisible(ch: str) -> bool:
+    """A character a reader does not see: whitespace, format characters (zero-width ones, bidi
+    controls), combining marks. Padding made of them would push a phrase out of a window counted in
+    bytes (a red team's 200 zero-width spaces at the seam), so windows count what is left."""
+    return ch.isspace() or unicodedata.category(ch) in ("Cf", "Mn", "Me")
+
+
+def _visible_bytes(chars: Iterable[str], limit: int) -> int:
+    """How many bytes of `chars` (in the order given) hold `limit` visible characters, at most `CAP`."""
+    seen = size = 0
+    for ch in chars:
+        n = len(ch.encode("utf-8", "surrogatepass"))
+        if seen >= limit or size + n > CAP:
+            break
+        size += n
+        seen += not _invisible(ch)
+    return size
+
+
 def _cut(text: bytes, limit: int) -> bytes:
-    """The first `limit` bytes of `text`, ended at its last whitespace there when it has one (a
-    token cut in its middle could read as a shorter one), else at a UTF-8 character start."""
-    if len(text) <= limit:
+    """The bytes of `text` that hold its first `limit` visible characters (at most `CAP` bytes),
+    ended at its last whitespace there when it has one (a token cut in its middle could read as
+    a shorter one), else at a UTF-8 character start."""
+    end = _visible_bytes(text[:CAP + 4].decode("utf-8", "ignore"), limit)
+    if end >= len(text):
         return text
-    space = max(text.rfind(bytes([c]), 0, limit) for c in _SPACE)
+    space = max(text.rfind(bytes([c]), 0, end) for c in _SPACE)
     if space > 0:
         return text[:space]
-    while limit > 0 and text[limit] & 0xC0 == 0x80:
-        limit -= 1
-    return text[:limit]
+    while end > 0 and text[end] & 0xC0 == 0x80:
+        end -= 1
+    return text[:end]
 
 
 def _tail(text: bytes) -> bytes:
-    start = max(0, len(text) - TAIL)
-    while start < len(text) and text[start] & 0xC0 == 0x80:
+    """The bytes of `text` that hold its last `TAIL` visible characters (at most `CAP` bytes)."""
+    piece = text[-(CAP + 4):]
+    start = len(text) - _visible_bytes(reversed(piece.decode("utf-8", "ignore")), TAIL)
+    while 0 < start < len(text) and text[start] & 0xC0 == 0x80:
         start += 1
-    return text[start:]
+    return text[max(start, 0):]
 
 
 def across(gate: Gate, tail: bytes, reading: Reading, own: GateReport) -> list[Finding]:
@@ -86,14 +118,56 @@ def across(gate: Gate, tail: bytes, reading: Reading, own: GateReport) -> list[F
 (a key whose label is in the tail starts at the seam: a CSV after a JSON result read as a
 pgpass line 146 bytes in, the one changed verdict of 4,839 benign pairs)."""
     head = _cut(reading.text, HEAD)
+    lead = _lead_format(head)  # zero-width padding at the seam: read past it
+    head = head[lead:]
+    tail = _seam_end(tail, glue=head[:1] not in _SPACES)
     if not tail or not head:
         return []
-    cut_short = len(head) < len(reading.text)
-    joined = scan_joined(gate, [tail, head], window=TAIL, own=[own, own if not reading.whole else _secrets(gate, head)])[1]
-    known = {(f.rule_id, f.byte_start, f.byte_end) for f in own.findings}
-    return [reading.place(f) for f in joined.findings
+    cut_short = lead + len(head) < len(reading.text)
+    mine = _secrets(gate, head) if reading.whole else _shifted(own, -lead)
+    joined = scan_joined(gate, [tail, head], window=TAIL, own=[mine, mine])[1]
+    known = {(f.rule_id, f.byte_start, f.byte_end) for f in mine.findings}
+    return [reading.place(_shifted_finding(f, lead)) for f in joined.findings
             if (f.rule_id, f.byte_start, f.byte_end) not in known and f.layer != "learned" and f.byte_start <= NEAR
             and not (cut_short and f.byte_end >= len(head))]
+
+
+def _format(ch: str) -> bool:
+    return unicodedata.category(ch) == "Cf"
+
+
+def _seam_end(tail: bytes, glue: bool) -> bytes:
+    """`tail` less its trailing format characters (zero-width padding), and, where the next text
+    starts with a visible character (`glue`), its trailing whitespace too: a line end after a
+    key's first half would otherwise end the token the halves make. Whitespace before a head that
+    starts with some is kept (letters spaced out keep their gaps); up to `_MARKS` combining marks
+    at the very end are kept (a Devanagari word ends with one), a longer run is padding."""
+    chars = tail.decode("utf-8", "surrogatepass")
+    end, marks = len(chars), 0
+    while end and (_format(chars[end - 1]) or glue and chars[end - 1].isspace()
+                   or unicodedata.category(chars[end - 1]) in ("Mn", "Me")):
+        marks = marks + 1 if unicodedata.category(chars[end - 1]) in ("Mn", "Me") else 0
+        end -= 1
+    end += min(marks, _MARKS) if marks <= _MARKS else 0  # a word's own few marks stay; a run of them is padding
+    return chars[:end].encode("utf-8", "surrogatepass")
+
+
+def _lead_format(text: bytes) -> int:
+    """The bytes of format characters (zero-width ones, bidi controls) `text` starts with."""
+    size = 0
+    for ch in text.decode("utf-8", "surrogatepass"):
+        if not _format(ch):
+            break
+        size += len(ch.encode("utf-8", "surrogatepass"))
+    return size
+
+
+def _shifted_finding(f: Finding, by: int) -> Finding:
+    return replace(f, byte_start=f.byte_start + by, byte_end=f.byte_end + by) if by else f
+
+
+def _shifted(report: GateReport, by: int) -> GateReport:
+    return replace(report, findings=tuple(_shifted_finding(f, by) for f in report.findings)) if by else report
 
 
 def _secrets(gate: Gate, head: bytes) -> GateReport:
@@ -112,28 +186,41 @@ class History:
     and on worker threads)."""
 
     def __init__(self, max_streams: int = MAX_STREAMS) -> None:
-        self._tails: OrderedDict[Stream, dict[str, bytes]] = OrderedDict()  # least recently shown first
+        self._tails: OrderedDict[Stream, dict[str, tuple[bytes, bytes]]] = OrderedDict()  # least recently shown first
         self._lock = threading.Lock()
         self.max_streams = max_streams
 
-    def tail(self, stream: Stream, phase: str) -> bytes:
+    def tails(self, stream: Stream, phase: str) -> list[bytes]:
+        """The phase's tail as shown, and (where two pieces met with no whitespace between them)
+        with a space at each such meeting: "Now ignore" | "all previous" | "instructions ..." reads
+        as a phrase only spaced, a key cut in three only glued (red team 17)."""
         with self._lock:
-            return self._tails.get(stream, {}).get(phase, b"")
+            glued, spaced = self._tails.get(stream, {}).get(phase, (b"", b""))
+        return [glued] if glued == spaced else [glued, spaced]
+
+    def tail(self, stream: Stream, phase: str) -> bytes:
+        return self.tails(stream, phase)[0]
 
     def shown(self, stream: Stream, phase: str, text: bytes) -> None:
         """`text` went through to the agent (a result) or the upstream (arguments): the stream's
-        tail is now the last `TAIL` bytes of everything so shown."""
+        tail is now the last `TAIL` visible characters of everything so shown."""
         if not text:
             return
         with self._lock:
             tails = self._tails.pop(stream, {})
-            tails[phase] = _tail(tails.get(phase, b"") + text)
+            glued, spaced = tails.get(phase, (b"", b""))
+            joint = b" " if spaced and spaced[-1:] not in _SPACES and text[:1] not in _SPACES else b""
+            tails[phase] = (_tail(glued + text), _tail(spaced + joint + text))
             self._tails[stream] = tails
             while len(self._tails) > self.max_streams:
                 self._tails.popitem(last=False)
 
     def findings(self, gate: Gate, stream: Stream, phase: str, reading: Reading,
                  own: GateReport) -> list[Finding]:
-        """What `reading` shows only joined to the stream's tail (`across`)."""
-        return across(gate, self.tail(stream, phase), reading, own)
+        """What `reading` shows only joined to the stream's tail (`across`). A call's arguments are
+        joined to its earlier calls' and to the results it was shown: a key whose first half an
+        upstream showed leaves through the next call (red team 17)."""
+        tails = self.tails(stream, phase) + (self.tails(stream, "result") if phase == "arguments" else [])
+        found = [f for tail in dict.fromkeys(t for t in tails if t) for f in across(gate, tail, reading, own)]
+        return list(dict.fromkeys(found))
 
