@@ -396,24 +396,18 @@ class Document:
     def sha256(self) -> str:
         return hashlib.sha256(self.data).hexdigest()
 
-    def reading(self, phase: str) -> Reading:
-        """What is joined to the text shown before (history.py): a result's text blocks, in this
-        document's offsets; else (arguments, a result of structured content alone) the strings the
-        agent or the upstream sent, joined by spaces, a finding on them covering the document whole."""
-        if phase == "result" and self.blocks:
-            return Reading(self.data[:self.spans[self.blocks - 1][1]], len(self.data), whole=False)
-        strings = _distinct(self.raw_strings(with_keys=False))
-        return Reading(b" ".join(raw for _, raw in strings), len(self.data), whole=True)
-
     def readings(self, phase: str) -> list[Reading]:
-        """What is scanned joined to the text shown before: `reading`, and for arguments each of
-        the first `_JOINED_STRINGS` strings alone too (a key's second half in the second argument,
-        after a harmless first: red team 17)."""
-        whole = self.reading(phase)
-        if phase != "arguments":
-            return [whole]
-        strings = [raw for _, raw in _distinct(self.raw_strings(with_keys=False))][:_JOINED_STRINGS]
-        alone = [Reading(raw, len(self.data), whole=True) for raw in strings if raw != whole.text]
+        """What is joined to the text shown before (history.py), the text shown first: a result's
+        text blocks, in this document's offsets; else (arguments, a result of structured content
+        alone) the strings the agent or the upstream sent, joined by spaces, a finding on them
+        covering the document whole; and for arguments each of the first `_JOINED_STRINGS` strings
+        alone too (a key's second half in the second argument, after a harmless first: red team 17)."""
+        if phase == "result" and self.blocks:
+            return [Reading(self.data[:self.spans[self.blocks - 1][1]], len(self.data), whole=False)]
+        strings = [raw for _, raw in _distinct(self.raw_strings(with_keys=False))]
+        whole = Reading(b" ".join(strings), len(self.data), whole=True)
+        alone = [Reading(raw, len(self.data), whole=True) for raw in strings[:_JOINED_STRINGS]
+                 if phase == "arguments" and raw != whole.text]
         return [whole] + alone
 
     def part_digests(self) -> list[str]:
@@ -701,7 +695,7 @@ class Guard:
             report = self.gate.scan(doc.data, tool=call.tool)
             if len(doc.spans) > 1 or len(doc.raw_strings()) > 1:  # else nothing to glue: one part, one string
                 report = with_findings(report, doc.glued_secrets(self.gate) + doc.injection_across_values(self.gate))
-            if phase in _JOINED:
+            if phase in _JOINED and self.history.joins(call.stream, phase):
                 report = with_findings(report, [f for reading in doc.readings(phase) for f in
                                                 self.history.findings(self.gate, call.stream, phase, reading, report)])
             return report
@@ -811,7 +805,7 @@ class Guard:
         decision = screened.decision
         body = self._body("mcp-call", call, doc, report, decision, None)
         if decision.action == "allow":
-            self.history.shown(call.stream, "arguments", doc.reading("arguments").text)
+            self.history.shown(call.stream, "arguments", doc.readings("arguments")[0].text)
             return None, {**body, "crossing": CrossingLog.new_id()}
 
         def refusal(crossing: str) -> types.CallToolResult:
@@ -861,7 +855,7 @@ class Guard:
         decision = screened.decision
         if decision.action != "quarantine":  # a quarantined result was not shown: the tail stays as it was
             shown_doc = doc if texts is None else replace(Document.of(texts), blocks=doc.blocks)
-            self.history.shown(call.stream, "result", shown_doc.reading("result").text if shown_doc.blocks
+            self.history.shown(call.stream, "result", shown_doc.readings("result")[0].text if shown_doc.blocks
                                else shown_doc.data)
         shown, non_text = _non_text(_redacted_result(result, texts) if texts is not None else result,
                                     decision.non_text)

@@ -46,6 +46,7 @@ NEAR = 64  # a finding the seam made must start within this many bytes after it 
 MAX_STREAMS = 4096
 _SPACE = b" \t\r\n"
 _SPACES = frozenset(bytes([c]) for c in _SPACE)
+_MARK = ("Mn", "Me")  # combining marks
 
 Stream = tuple[str, str, str | None]  # tenant, actor, chat or MCP session (None: the caller's only stream)
 
@@ -68,7 +69,7 @@ def _invisible(ch: str) -> bool:
     """A character a reader does not see: whitespace, format characters (zero-width ones, bidi
     controls), combining marks. Padding made of them would push a phrase out of a window counted in
     bytes (a red team's 200 zero-width spaces at the seam), so windows count what is left."""
-    return ch.isspace() or unicodedata.category(ch) in ("Cf", "Mn", "Me")
+    return ch.isspace() or _format(ch) or unicodedata.category(ch) in _MARK
 
 
 def _visible_bytes(chars: Iterable[str], limit: int) -> int:
@@ -114,9 +115,9 @@ def across(gate: Gate, tail: bytes, reading: Reading, own: GateReport) -> list[F
     (a to-do list's "do not forget the keys!" before the next list): on the project's benign sets
     it changed the verdict of 36 of 1,408 consecutive pairs, while a split instruction is a phrase
     the rules read whole. A finding reaching the end of a head cut short is left out: its match
-    may be the cut's, not the text's; so is one that starts further than `NEAR` bytes past the seam
-(a key whose label is in the tail starts at the seam: a CSV after a JSON result read as a
-pgpass line 146 bytes in, the one changed verdict of 4,839 benign pairs)."""
+    may be the cut's, not the text's; so is one that starts further than `NEAR` bytes past the
+    seam (a key whose label is in the tail starts at the seam: a CSV after a JSON result read as a
+    pgpass line 146 bytes in, the one changed verdict of 4,839 benign pairs)."""
     head = _cut(reading.text, HEAD)
     lead = _lead_format(head)  # zero-width padding at the seam: read past it
     head = head[lead:]
@@ -144,9 +145,12 @@ def _seam_end(tail: bytes, glue: bool) -> bytes:
     at the very end are kept (a Devanagari word ends with one), a longer run is padding."""
     chars = tail.decode("utf-8", "surrogatepass")
     end, marks = len(chars), 0
-    while end and (_format(chars[end - 1]) or glue and chars[end - 1].isspace()
-                   or unicodedata.category(chars[end - 1]) in ("Mn", "Me")):
-        marks = marks + 1 if unicodedata.category(chars[end - 1]) in ("Mn", "Me") else 0
+    while end:
+        ch = chars[end - 1]
+        mark = unicodedata.category(ch) in _MARK
+        if not (mark or _format(ch) or glue and ch.isspace()):
+            break
+        marks = marks + 1 if mark else 0
         end -= 1
     end += min(marks, _MARKS) if marks <= _MARKS else 0  # a word's own few marks stay; a run of them is padding
     return chars[:end].encode("utf-8", "surrogatepass")
@@ -198,8 +202,12 @@ class History:
             glued, spaced = self._tails.get(stream, {}).get(phase, (b"", b""))
         return [glued] if glued == spaced else [glued, spaced]
 
-    def tail(self, stream: Stream, phase: str) -> bytes:
-        return self.tails(stream, phase)[0]
+    def joins(self, stream: Stream, phase: str) -> bool:
+        """Whether anything shown before would be joined to the stream's next text of this phase
+        (else its readings are not built: a result's text is not copied for nothing)."""
+        with self._lock:
+            tails = self._tails.get(stream, {})
+        return any(tails.get(p, (b"",))[0] for p in (phase, "result"))
 
     def shown(self, stream: Stream, phase: str, text: bytes) -> None:
         """`text` went through to the agent (a result) or the upstream (arguments): the stream's
@@ -210,7 +218,8 @@ class History:
             tails = self._tails.pop(stream, {})
             glued, spaced = tails.get(phase, (b"", b""))
             joint = b" " if spaced and spaced[-1:] not in _SPACES and text[:1] not in _SPACES else b""
-            tails[phase] = (_tail(glued + text), _tail(spaced + joint + text))
+            end = text[-(CAP + 4):]  # all a tail can hold of it: a long result is not copied whole
+            tails[phase] = (_tail(glued + end), _tail(spaced + joint + end))
             self._tails[stream] = tails
             while len(self._tails) > self.max_streams:
                 self._tails.popitem(last=False)

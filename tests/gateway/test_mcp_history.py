@@ -121,12 +121,12 @@ def test_the_history_keeps_a_bounded_tail_of_a_bounded_number_of_streams() -> No
     streams = [("acme", "acme:ann", f"s{i}") for i in range(5)]
     for s in streams:
         history.shown(s, "result", "é".encode() * TAIL)
-    assert [history.tail(s, "result") for s in streams[:2]] == [b"", b""]  # the least recently used went
+    assert [history.tails(s, "result")[0] for s in streams[:2]] == [b"", b""]  # the least recently used went
     for s in streams[2:]:
-        tail = history.tail(s, "result")
+        tail = history.tails(s, "result")[0]
         assert tail.decode("utf-8") == "é" * TAIL  # TAIL visible characters, whole
     history.shown(streams[4], "result", "\u200b".encode() * CAP)  # invisible: the window grows, to CAP bytes
-    assert len(history.tail(streams[4], "result")) <= CAP
+    assert len(history.tails(streams[4], "result")[0]) <= CAP
 
 
 @settings(max_examples=200, deadline=None)
@@ -144,7 +144,7 @@ def test_the_joined_finding_is_in_the_result_document_offsets(guard: Guard) -> N
     made = call("fx__read", "s1")
     _shown(guard, KEY[:1], "s1")
     doc = Document.of_result(_text(KEY[1]))
-    found = guard.history.findings(guard.gate, made.stream, "result", doc.reading("result"), guard.gate.scan(doc.data))
+    found = guard.history.findings(guard.gate, made.stream, "result", doc.readings("result")[0], guard.gate.scan(doc.data))
     assert [(f.kind, doc.data[f.byte_start:f.byte_end]) for f in found] == [("secret", b"FEBZSDOXRL")]
     assert found[0].rule_id.startswith("aws")
 
