@@ -51,8 +51,11 @@ class Gate:
         self.heuristics = HeuristicScanner(load_injection_rules(), scorer, cache=cache)
         unicode_tables()  # built once here (~0.3 s), not on the first request
 
-    def scan(self, data: bytes, *, content_type: str | None = None, tool: str | None = None) -> GateReport:
-        """Never raises on input: any bytes (str is encoded as UTF-8) give a report."""
+    def scan(self, data: bytes, *, content_type: str | None = None, tool: str | None = None,
+             learned: bool = True) -> GateReport:
+        """Never raises on input: any bytes (str is encoded as UTF-8) give a report. `learned=False`:
+        the rules and heuristics alone, without the learned window (a quarter of the work), for a
+        caller that reads a text no one sent as such (history.py's joins of two results)."""
         t0 = time.perf_counter_ns()
         doc = _decoded(data)
         findings = _encoding_findings(doc)
@@ -60,7 +63,7 @@ class Gate:
         secrets = self._secrets(doc, view)
         spans = [(f.byte_start, f.byte_end) for f in secrets]
         findings += secrets
-        findings += self.heuristics.scan(doc, view, lambda b0, b1: _excerpt(doc, b0, b1, spans))
+        findings += self.heuristics.scan(doc, view, lambda b0, b1: _excerpt(doc, b0, b1, spans), learned=learned)
         findings += self._escaped_injection(doc, spans)
         findings.sort(key=_reading_order)
         report = GateReport(
@@ -113,9 +116,9 @@ class Gate:
         return out
 
     def scan_joined(self, parts: Sequence[bytes], *, window: int = JOIN_WINDOW,
-                    own: Sequence[GateReport] | None = None) -> tuple[GateReport, ...]:
+                    own: Sequence[GateReport] | None = None, learned: bool = True) -> tuple[GateReport, ...]:
         """Adjacent untrusted parts scored alone and joined (see gate/joined.py for the window)."""
-        return scan_joined(self, parts, window=window, own=own)
+        return scan_joined(self, parts, window=window, own=own, learned=learned)
 
 
 def _decoded(data: bytes | str) -> Decoded:

@@ -50,9 +50,10 @@ def _clip(f: Finding, lo: int, hi: int) -> Finding:
 
 
 def scan_joined(gate: Gate, parts: Sequence[bytes], *, window: int = JOIN_WINDOW,
-                own: Sequence[GateReport] | None = None) -> tuple[GateReport, ...]:
+                own: Sequence[GateReport] | None = None, learned: bool = True) -> tuple[GateReport, ...]:
     """One report per part (offsets into that part), each with the cross-boundary evidence added.
-    ``own``: the parts' reports alone, where the caller has them already (else scanned here)."""
+    ``own``: the parts' reports alone, where the caller has them already (else scanned here);
+    ``learned=False``: the joins read without the learned window (``Gate.scan``)."""
     parts = [p.encode("utf-8", "surrogatepass") if isinstance(p, str) else bytes(p) for p in parts]
     own = list(own) if own is not None else [gate.scan(p) for p in parts]
     extra: list[list[Finding]] = [[] for _ in parts]
@@ -65,7 +66,7 @@ def scan_joined(gate: Gate, parts: Sequence[bytes], *, window: int = JOIN_WINDOW
             seps = [b""] + ([b" "] if not tail[-1:].isspace() and not part[:1].isspace() else [])
             for sep in seps:
                 boundary = len(tail) + len(sep)
-                for f in gate.scan(tail + sep + part).findings:
+                for f in gate.scan(tail + sep + part, learned=learned).findings:
                     if f.kind == "encoding" or f.byte_end <= boundary:
                         continue
                     mine = _clip(f, boundary, boundary + len(part))

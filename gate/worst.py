@@ -57,6 +57,7 @@ WORST_CASES: dict[str, Callable[[int], bytes]] = {
     "exfil-instruction-no-period": _repeat("send the api keys "),
     "override-repeated": _repeat("ignore all previous instructions "),
     "private-key-headers": _repeat("-----BEGIN PRIVATE KEY-----"),
+    "private-key-tail-lines": _repeat("QUJD" * 16 + "x\n", "-----END PRIVATE KEY-----\n"),
     "openai-prefixes": _repeat("sk-"),
     "openai-near-misses": _repeat("sk-" + "a" * 30 + "T3BlbkF "),
     "jwt-prefixes": _repeat("eyJ"),

@@ -26,6 +26,7 @@ content. Records hold digests, kinds and offsets, never the content.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -65,7 +66,10 @@ _REACH = 4096  # of each string beside a seam, what the argument-value glue read
 _FRAGMENT, _FRAGMENTS = 24, 5  # a short string, and how many in a row are read glued (`Document._glued_values`)
 NON_TEXT_STUB = "[{what} withheld by policy: the gate cannot read it]"
 MAX_BLOCKS = 1024  # content blocks in one result (`Guard._oversized`)
-_JOINED_STRINGS = 8  # argument strings each read joined to the text shown before (`Document.readings`)
+_JOINED_STRINGS = 8  # argument strings each read joined to the text shown before (`Document._alone`)
+_JOINED_BLOCKS = 3  # a result's text blocks after its first each read so too (`Document.readings`)
+_URI_PARTS = re.compile(rb"[/?&=#;]+")  # what a URI's segments and query values lie between
+_URI_PART = 6  # the shortest of them read alone: a key's rest, not `v1` or `id`
 _JOINED = frozenset({"result", "arguments"})  # the phases read joined to their stream's earlier text (history.py)
 
 
@@ -191,10 +195,18 @@ def _json_pieces(value: Any) -> Iterator[tuple[str, str, str]]:
                 yield _dump(str(k)), "", str(k)
                 yield from _json_pieces(v)
     elif _numbers(value):  # one part: a token sent as its byte values reads as bytes (red team 16)
-        yield _dump(value), "", ""
+        yield _dump(value), _as_bytes(value), ""
     elif isinstance(value, list):
         for v in value:
             yield from _json_pieces(v)
+
+
+def _as_bytes(value: list[Any]) -> str:
+    """A list of byte values as the text they spell (red team 18: a key's second half sent as its
+    bytes in a later call), else nothing."""
+    if not all(isinstance(v, int) and 0 <= v < 256 for v in value):
+        return ""
+    return bytes(value).decode("utf-8", "replace")
 
 
 def _numbers(value: Any) -> bool:
@@ -397,18 +409,62 @@ class Document:
         return hashlib.sha256(self.data).hexdigest()
 
     def readings(self, phase: str) -> list[Reading]:
-        """What is joined to the text shown before (history.py), the text shown first: a result's
-        text blocks, in this document's offsets; else (arguments, a result of structured content
-        alone) the strings the agent or the upstream sent, joined by spaces, a finding on them
-        covering the document whole; and for arguments each of the first `_JOINED_STRINGS` strings
-        alone too (a key's second half in the second argument, after a harmless first: red team 17)."""
+        """What is joined to the text shown before (history.py), the text shown first. A result:
+        its text blocks, in this document's offsets, and each of the next `_JOINED_BLOCKS` blocks
+        from its own start (a first block `page 2`, or a prompt's description, before the piece:
+        red team 18); and, a finding on them covering the document whole, the blocks as the agent
+        reads them (`shown_text`: a JSON block's strings, not its quotes and keys) and its
+        structured strings where its blocks do not repeat them (a block `ok` beside `{"msg":
+        "instructions ..."}`: red team 17). Arguments, or a result of structured content alone:
+        the strings the agent or the upstream sent, joined by spaces (each finding covering the
+        document whole); and for arguments also glued, and each alone (`_alone`)."""
+        size = len(self.data)
         if phase == "result" and self.blocks:
-            return [Reading(self.data[:self.spans[self.blocks - 1][1]], len(self.data), whole=False)]
-        strings = [raw for _, raw in _distinct(self.raw_strings(with_keys=False))]
-        whole = Reading(b" ".join(strings), len(self.data), whole=True)
-        alone = [Reading(raw, len(self.data), whole=True) for raw in strings[:_JOINED_STRINGS]
-                 if phase == "arguments" and raw != whole.text]
-        return [whole] + alone
+            raw = Reading(self.data[:self.spans[self.blocks - 1][1]], size, whole=False)
+            later = [Reading(self.data[s:e], size, whole=False, offset=s)
+                     for s, e in self.spans[1:min(self.blocks, 1 + _JOINED_BLOCKS)] if e > s]
+            more = [t for t in dict.fromkeys((self.shown_text(), self._unrepeated())) if t and t != raw.text]
+            first_json = self._block_strings[0] is not None  # the raw seam is then JSON syntax: read its strings
+            return ([] if first_json and more else [raw]) + later + [Reading(t, size, whole=True) for t in more]
+        strings = self._strings()
+        joined = [b" ".join(strings)] + ([b"".join(strings)] if phase == "arguments" else [])
+        return [Reading(t, size, whole=True) for t in dict.fromkeys(joined) if t]
+
+    def alone(self) -> list[bytes]:
+        """A call's strings each read alone after the text shown before (`History.secrets_across`): the first `_JOINED_STRINGS`
+        values (a key's second half in the second argument, after a harmless first: red team
+        17), the first `_JOINED_STRINGS // 2` keys, and as many URI path segments and query values
+        (a key's rest as a key name, or as the last segment of a resource's URI: red team 18)."""
+        values = self._strings()
+        keys = [raw for raw in dict.fromkeys(self.keys or ()) if raw]
+        parts = [p for raw in values if b"/" in raw for p in _URI_PARTS.split(raw) if len(p) >= _URI_PART]
+        return values[:_JOINED_STRINGS] + keys[:_JOINED_STRINGS // 2] + parts[:_JOINED_STRINGS // 2]
+
+    def shown_text(self) -> bytes:
+        """What the agent reads of this document, as a stream's tail keeps it (history.py): a
+        result's text blocks, each that is a JSON object or array as its strings joined by spaces
+        (`{"note": "Now ignore all previous"}` then `{"note": "instructions ..."}`: the quotes and
+        the key at the seam broke the phrase, red team 17); else its strings joined by spaces."""
+        if not self.blocks:
+            return b" ".join(self._strings()) if self.glue is not None else self.data
+        return JOINER.join(self.data[s:e] if not strings else b" ".join(strings)
+                           for (s, e), strings in zip(self.spans, self._block_strings))
+
+    @functools.cached_property
+    def _block_strings(self) -> tuple[list[bytes] | None, ...]:
+        """Per text block, its value strings where it is a JSON object or array (`_json_strings`), else None."""
+        return tuple(_json_strings(self.data[s:e]) for s, e in self.spans[:self.blocks or 0])
+
+    def _strings(self) -> list[bytes]:
+        return [raw for _, raw in _distinct(self.raw_strings(with_keys=False))]
+
+    def _unrepeated(self) -> bytes:
+        """The structured content's strings that its text blocks do not carry, joined by spaces
+        (none, as the MCP specification asks: a block holding the same JSON)."""
+        lo, hi = self.values or (0, 0)
+        blocks = {raw for (s, e), strings in zip(self.spans, self._block_strings) for raw in strings or [self.data[s:e]]}
+        strings = [raw for k, raw in self.raw_strings(with_keys=False) if lo <= k < hi]
+        return b"" if all(raw in blocks for raw in strings) else b" ".join(strings)
 
     def part_digests(self) -> list[str]:
         """Each content block's digest (what an agent would paste back whole); a structured
@@ -696,8 +752,11 @@ class Guard:
             if len(doc.spans) > 1 or len(doc.raw_strings()) > 1:  # else nothing to glue: one part, one string
                 report = with_findings(report, doc.glued_secrets(self.gate) + doc.injection_across_values(self.gate))
             if phase in _JOINED and self.history.joins(call.stream, phase):
-                report = with_findings(report, [f for reading in doc.readings(phase) for f in
-                                                self.history.findings(self.gate, call.stream, phase, reading, report)])
+                found = [f for reading in doc.readings(phase)
+                         for f in self.history.findings(self.gate, call.stream, phase, reading, report)]
+                if phase == "arguments":
+                    found += self.history.secrets_across(self.gate, call.stream, phase, doc.alone(), len(doc.data))
+                report = with_findings(report, found)
             return report
         except Exception as exc:
             raise ScreeningError(f"the gate failed ({type(exc).__name__}); nothing was passed on") from exc
@@ -805,7 +864,7 @@ class Guard:
         decision = screened.decision
         body = self._body("mcp-call", call, doc, report, decision, None)
         if decision.action == "allow":
-            self.history.shown(call.stream, "arguments", doc.readings("arguments")[0].text)
+            self.history.shown(call.stream, "arguments", doc.shown_text())
             return None, {**body, "crossing": CrossingLog.new_id()}
 
         def refusal(crossing: str) -> types.CallToolResult:
@@ -855,8 +914,7 @@ class Guard:
         decision = screened.decision
         if decision.action != "quarantine":  # a quarantined result was not shown: the tail stays as it was
             shown_doc = doc if texts is None else replace(Document.of(texts), blocks=doc.blocks)
-            self.history.shown(call.stream, "result", shown_doc.readings("result")[0].text if shown_doc.blocks
-                               else shown_doc.data)
+            self.history.shown(call.stream, "result", shown_doc.shown_text())
         shown, non_text = _non_text(_redacted_result(result, texts) if texts is not None else result,
                                     decision.non_text)
         many = len(result.content) > MAX_BLOCKS
@@ -950,6 +1008,25 @@ def credential_like(text: str) -> bool:
     character: a key, not a word. A red team named tools `t_<token>`, `get<token>`: glued to a
     prefix, a token starts no word, so no secret rule (they want one) sees it."""
     return any(_DIGIT.search(run) and _LETTER.search(run) and shannon_entropy(run) > 4.0 for run in _RUN.findall(text))
+
+
+def _json_strings(text: bytes) -> list[bytes] | None:
+    """The value strings of `text` where it is a JSON object or array, else None."""
+    if text.lstrip()[:1] not in (b"{", b"["):
+        return None
+    try:
+        return [raw.encode("utf-8", "surrogatepass") for raw in _value_strings(json.loads(text))]
+    except (ValueError, RecursionError):  # not JSON, or nested too deep to walk: read as it is
+        return None
+
+
+def _value_strings(value: Any) -> Iterator[str]:
+    """The strings of a JSON value that are not keys, in order."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, (dict, list)):
+        for v in value.values() if isinstance(value, dict) else value:
+            yield from _value_strings(v)
 
 
 def _distinct(stream: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
