@@ -743,7 +743,7 @@ class Guard:
         self._digests: dict[int, tuple[BaseModel, str]] = {}
         self.history = History()
 
-    def _scan(self, doc: Document, call: Call, phase: str) -> GateReport:
+    def _scan(self, doc: Document, call: Call, phase: str, order: int | None = None) -> GateReport:
         """The document's report, with the secrets that only its parts glued together show, and (a
         result, arguments) what it shows only joined to the text its stream was shown before."""
         started = time.perf_counter()
@@ -757,6 +757,9 @@ class Guard:
                 if phase == "arguments":
                     found += self.history.secrets_across(self.gate, call.stream, phase, doc.alone(), len(doc.data))
                 report = with_findings(report, found)
+            if order is not None:  # a later call's result shown first (`History.overtaken`)
+                report = with_findings(report, self.history.overtaken(self.gate, call.stream, order,
+                                                                      doc.shown_text(), len(doc.data)))
             return report
         except Exception as exc:
             raise ScreeningError(f"the gate failed ({type(exc).__name__}); nothing was passed on") from exc
@@ -770,9 +773,11 @@ class Guard:
                 "session": {"id": call.session_id or "none", "age_s": 0, "tokens": 0},
                 "span": {"bytes": n_bytes, "tokens": -(-n_bytes // 4)}, "gate": gate_input(report)}
 
-    def _decide(self, call: Call, phase: str, doc: Document) -> tuple[GateReport, Screened, list[str] | None]:
-        """Scan, decide, and for a result carry out a redact; returns the redacted parts' texts too."""
-        report = self._scan(doc, call, phase)
+    def _decide(self, call: Call, phase: str, doc: Document,
+                order: int | None = None) -> tuple[GateReport, Screened, list[str] | None]:
+        """Scan, decide, and for a result carry out a redact; returns the redacted parts' texts too.
+        `order`: a result's call's place among the stream's calls (its record's audit index)."""
+        report = self._scan(doc, call, phase, order)
         decision = self.policy.decide(self._input(call, phase, report, doc.shown_bytes))
         if phase != "result" or decision.action != "redact":
             return report, Screened(decision), None
@@ -903,18 +908,20 @@ class Guard:
     def decide_result(self, call: Call, result: types.CallToolResult, doc: Document,
                       called: Called | None = None) -> Pending:
         """What the agent will be shown (`doc` is the result's `Document.of_result`), once the
-        decision's records (queued here) are durable."""
+        decision's records (queued here) are durable. The call's record's audit index orders it
+        among the stream's calls (`History.overtaken`)."""
         result = _without_meta(result)
+        order = None if called is None else called.audit_index
         oversized = self._oversized(result, doc)
         if oversized is not None:
             decision = Decision("quarantine", (oversized,), self.policy.bundle_hash)
             report, screened, texts = None, Screened(decision), None
         else:
-            report, screened, texts = self._decide(call, "result", doc)
+            report, screened, texts = self._decide(call, "result", doc, order)
         decision = screened.decision
         if decision.action != "quarantine":  # a quarantined result was not shown: the tail stays as it was
             shown_doc = doc if texts is None else replace(Document.of(texts), blocks=doc.blocks)
-            self.history.shown(call.stream, "result", shown_doc.shown_text())
+            self.history.shown(call.stream, "result", shown_doc.shown_text(), order)
         shown, non_text = _non_text(_redacted_result(result, texts) if texts is not None else result,
                                     decision.non_text)
         many = len(result.content) > MAX_BLOCKS

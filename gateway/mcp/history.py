@@ -26,7 +26,9 @@ now), each bounded by `CAP`: linear, but a scan's fixed cost (~0.3 ms) makes thi
 part of the gate's time for small calls. A split phrase or key sits within a few dozen
 characters of the seam. What is not joined: text more than `TAIL` visible characters before the
 seam or `HEAD` after it (a long PEM key cut in its middle is found only where a part holds a
-whole match); two or more results between the pieces; text the proxy did not let through (a
+whole match); two or more results between the pieces (a result shown before an earlier call's
+is read after that one's end, `History.overtaken`, but the tail keeps the order results were
+shown in); text the proxy did not let through (a
 refused call's arguments, a quarantined result: a stub stood there); and text shown before the
 proxy last started (the tails are kept in memory only).
 """
@@ -36,7 +38,7 @@ import functools
 import re
 import threading
 import unicodedata
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
@@ -49,6 +51,7 @@ _MARKS = 3  # combining marks one letter carries at most, in the scripts the phr
 CAP = 8192  # the most bytes a window may hold, whatever is invisible in it
 NEAR = 64  # a finding the seam made must start within this many bytes after it (0: it crosses it)
 MAX_STREAMS = 4096
+_HEADS = 8  # results' heads a stream keeps for `History.overtaken`: more calls than agents run at once
 _SPACE = b" \t\r\n"
 _SPACES = frozenset(bytes([c]) for c in _SPACE)
 _MARK = ("Mn", "Me")  # combining marks
@@ -244,6 +247,8 @@ class History:
     def __init__(self, max_streams: int = MAX_STREAMS) -> None:
         # per stream (least recently shown first) and phase: the tails now, and before the last text shown
         self._tails: OrderedDict[Stream, dict[str, tuple[_Tails, _Tails]]] = OrderedDict()
+        # per stream: the heads of its last results shown, each by its call's order (`overtaken`)
+        self._heads: dict[Stream, deque[tuple[int, bytes]]] = {}
         self._lock = threading.Lock()
         self.max_streams = max_streams
 
@@ -264,13 +269,15 @@ class History:
             tails = self._tails.get(stream, {})
         return any(tails.get(p, (_EMPTY,))[0][0] for p in (phase, "result"))
 
-    def shown(self, stream: Stream, phase: str, text: bytes) -> None:
+    def shown(self, stream: Stream, phase: str, text: bytes, order: int | None = None) -> None:
         """`text` went through to the agent (a result) or the upstream (arguments): the stream's
         tail is now the last `TAIL` visible characters of everything so shown (and the tail before
-        it is kept, see `tails`)."""
+        it is kept, see `tails`). A result's head is kept by its call's `order` too (`overtaken`)."""
         if not text:
             return
         with self._lock:
+            if order is not None:
+                self._heads.setdefault(stream, deque(maxlen=_HEADS)).append((order, _cut(text, HEAD)))
             tails = self._tails.pop(stream, {})
             now = tails.get(phase, (_EMPTY, _EMPTY))[0]
             glued, spaced = now
@@ -279,7 +286,22 @@ class History:
             tails[phase] = ((_tail(glued + end), _tail(spaced + joint + end)), now)
             self._tails[stream] = tails
             while len(self._tails) > self.max_streams:
-                self._tails.popitem(last=False)
+                self._heads.pop(self._tails.popitem(last=False)[0], None)
+
+    def overtaken(self, gate: Gate, stream: Stream, order: int, text: bytes, size: int) -> list[Finding]:
+        """What a result (`text`, of the call of `order`) shows before the result the agent reads
+        next, where that one was shown first: parallel calls are listed in the agent's context in
+        the order they were made, and an upstream that delays the first piece's call lets the
+        second piece through first (red team 18). The result shown of the next call made after
+        this one is joined after this one's end; a finding covers this document whole (of `size`)."""
+        with self._lock:
+            later = [(o, head) for o, head in self._heads.get(stream, ()) if o > order]
+        if not later:
+            return []
+        head = min(later)[1]
+        none = GateReport(injection=0.0, secret=0.0, findings=(), bytes_scanned=0, elapsed_us=0)  # it was shown
+        return [replace(f, byte_start=0, byte_end=size)
+                for f in across(gate, _tail(text), Reading(head, len(head), whole=False), none)]
 
     def findings(self, gate: Gate, stream: Stream, phase: str, reading: Reading,
                  own: GateReport) -> list[Finding]:
